@@ -1,0 +1,128 @@
+"""The Python API: load a target, generate from a batch of prompts in one compiled call."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.decode import ar
+from jspec.io.hf import load_params
+from jspec.io.tokenizer import load_tokenizer
+from jspec.models.config import ModelConfig
+from jspec.verify.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Target:
+    """A target model: static config, parameter pytree, optional tokenizer."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: object | None = None
+    path: str | None = None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.path!r} has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+
+def load_target(path: str, dtype=jnp.float32) -> Target:
+    """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json)."""
+    cfg, params = load_params(path, dtype=dtype)
+    tok = load_tokenizer(path)
+    if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer.json in {path!r} has {tok.get_vocab_size()} tokens but the model's vocabulary is "
+            f"{cfg.vocab_size}: the tokenizer does not belong to this checkpoint"
+        )
+    return Target(cfg, params, tok, path)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # generated ids per row (prompt excluded; EOS included when hit)
+    logprobs: list[list[float]]  # per generated token (see ar.choose_tokens)
+    stats: dict
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad prompts into [B, P] (P a multiple of `bucket`, so similar lengths share a compile)."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given: pass at least one prompt")
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.min() < 1:
+        raise ValueError(f"prompt {int(lens.argmin())} is empty: every prompt needs at least one token")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}; "
+                "check that the prompt was tokenized for this model"
+            )
+    packed = np.zeros((len(prompts), _round_up(int(lens.max()), bucket)), np.int32)
+    for i, p in enumerate(prompts):
+        packed[i, : len(p)] = np.asarray(p, np.int32)
+    return packed, lens
+
+
+def default_cache_size(max_prompt: int, max_new_tokens: int, bucket: int = 64) -> int:
+    return _round_up(max_prompt + max_new_tokens, bucket)
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams = SamplingParams(temperature=0.0),
+    seeds: Sequence[int] | int = 0,
+    cache_size: int | None = None,
+    eos_ids: Sequence[int] | None = None,
+) -> GenerateResult:
+    """Plain autoregressive generation for a batch of token-id prompts of different lengths.
+
+    seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
+    (included in its output), at max_new_tokens, or when its cache is full.
+    """
+    cfg = target.cfg
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError("sampling must be a jspec SamplingParams")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    packed, lens = pack_prompts(prompts, cfg.vocab_size)
+    if cache_size is None:
+        cache_size = default_cache_size(packed.shape[1], max_new_tokens)
+    longest = int(lens.max())
+    if longest >= cache_size or packed.shape[1] > cache_size:
+        raise ValueError(
+            f"a prompt of {longest} tokens (padded to {packed.shape[1]}) does not fit a cache of {cache_size} rows "
+            f"with room for a new token: raise cache_size or shorten the prompt"
+        )
+    seeds = np.arange(len(prompts), dtype=np.int64) + seeds if isinstance(seeds, int) else np.asarray(seeds)
+    if seeds.shape != (len(prompts),):
+        raise ValueError(f"got {seeds.size} seeds for {len(prompts)} prompts: pass one seed per prompt or one int")
+    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+    dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos)
+
+    start = time.perf_counter()
+    state = ar.generate_ar(target.params, cfg, dcfg, jnp.asarray(packed), jnp.asarray(lens),
+                           jnp.asarray(seeds.astype(np.uint32)))
+    tokens, logprobs, length = jax.device_get((state.tokens, state.logprobs, state.length))
+    wall = time.perf_counter() - start
+    out_tokens = [tokens[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
+    out_logps = [logprobs[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
+    stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, "steps": int(state.steps) + 1}
+    return GenerateResult(out_tokens, out_logps, stats)

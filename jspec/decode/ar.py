@@ -1,0 +1,114 @@
+"""Plain autoregressive decoding in one compiled `lax.while_loop`: the baseline of every speculative path.
+
+The token emitted at absolute index t of a row is
+    argmax(served_logp_t + gumbel(seed, t, GUMBEL))
+(the argmax itself when greedy), so a row's text depends only on its prompt, its seed and the model,
+never on its batch neighbours or on how decoding is split into calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models import transformer
+from jspec.models.config import ModelConfig
+from jspec.verify import noise
+from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static settings of one compiled generation (hashable: a jit static argument)."""
+
+    max_new_tokens: int
+    cache_size: int
+    sampling: SamplingParams = SamplingParams(temperature=0.0)
+    eos_ids: tuple[int, ...] = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ARState:
+    """Loop state. tokens/logprobs [B, S]; the token at length-1 is pending (its K/V not yet cached)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    length: jax.Array  # [B] tokens in the buffer (prompt + generated)
+    prompt_len: jax.Array  # [B]
+    seeds: jax.Array  # [B]
+    done: jax.Array  # [B]
+    cache: transformer.KVCache
+    steps: jax.Array  # [] target forward passes after prefill
+
+
+def choose_tokens(logits: jax.Array, seeds: jax.Array, index: jax.Array, sampling: SamplingParams, vocab: int):
+    """Token and its reported log-prob for logits [B, V] emitted at absolute indices [B].
+
+    The reported log-prob is under the served distribution; for greedy decoding (a point mass) it is
+    the model's own log-softmax, which is the informative number.
+    """
+    logp = served_logprobs(logits, sampling)
+    if sampling.greedy:
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        report = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    else:
+        token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
+        report = logp
+    return token, jnp.take_along_axis(report, token[:, None], axis=-1)[:, 0]
+
+
+def _emit(state: ARState, token, logprob, dcfg: DecodeConfig) -> ARState:
+    """Append one token per live row and update the stop flags."""
+    rows = jnp.arange(token.shape[0])
+    idx = jnp.where(state.done, state.tokens.shape[1], state.length)  # out of range: dropped
+    tokens = state.tokens.at[rows, idx].set(token, mode="drop")
+    logprobs = state.logprobs.at[rows, idx].set(logprob, mode="drop")
+    length = state.length + (~state.done).astype(jnp.int32)
+    is_eos = jnp.isin(token, jnp.asarray(dcfg.eos_ids, jnp.int32)) if dcfg.eos_ids else jnp.zeros_like(state.done)
+    done = state.done | is_eos | (length - state.prompt_len >= dcfg.max_new_tokens) | (length >= dcfg.cache_size)
+    return dataclasses.replace(state, tokens=tokens, logprobs=logprobs, length=length, done=done)
+
+
+def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds) -> ARState:
+    """Cache the prompts (right-padded [B, P]) and choose the first new token of every row."""
+    b, p = prompts.shape
+    cache = transformer.KVCache.zeros(cfg, b, dcfg.cache_size, params["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = transformer.forward(params, cfg, prompts, positions, cache)
+    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    token, logprob = choose_tokens(transformer.logits(params, cfg, last), seeds, prompt_len, dcfg.sampling,
+                                   cfg.vocab_size)
+    tokens = jnp.zeros((b, dcfg.cache_size), jnp.int32).at[:, :p].set(prompts)
+    state = ARState(
+        tokens=tokens, logprobs=jnp.zeros((b, dcfg.cache_size), jnp.float32), length=prompt_len,
+        prompt_len=prompt_len, seeds=seeds, done=jnp.zeros((b,), bool), cache=out.cache,
+        steps=jnp.zeros((), jnp.int32),
+    )
+    return _emit(state, token, logprob, dcfg)
+
+
+def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) -> ARState:
+    """One target forward over every row's pending token, then one emitted token per live row."""
+    pos = state.length - 1
+    pending = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
+    out = transformer.forward(params, cfg, pending, pos[:, None], state.cache)
+    token, logprob = choose_tokens(transformer.logits(params, cfg, out.hidden[:, 0]), state.seeds, state.length,
+                                   dcfg.sampling, cfg.vocab_size)
+    state = dataclasses.replace(state, cache=out.cache, steps=state.steps + 1)
+    return _emit(state, token, logprob, dcfg)
+
+
+def _generate(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds) -> ARState:
+    state = prefill(params, cfg, dcfg, prompts, prompt_len, seeds)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_step(params, cfg, dcfg, s), state)
+
+
+generate_ar = jax.jit(_generate, static_argnums=(1, 2))
+"""generate_ar(params, cfg, dcfg, prompts [B, P], prompt_len [B], seeds [B]) -> ARState; one compiled call."""
+
+prefill_jit = jax.jit(prefill, static_argnums=(1, 2))
+decode_step_jit = jax.jit(decode_step, static_argnums=(1, 2), donate_argnums=(3,))
+"""A single step with the state donated: the Python-loop baseline that benchmarks compare against."""

@@ -1,0 +1,153 @@
+"""Strict loading and export of Hugging Face Llama / Qwen3 checkpoints (safetensors).
+
+HF stores matrices [out, in]; jspec stores them [in, out] with layers stacked on a leading axis.
+Loading never falls back to random values: every missing, unexpected or misshapen tensor is
+collected and reported in one `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jspec.models.config import ModelConfig, load_config
+from jspec.models.transformer import param_shapes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the configuration it is loaded with."""
+
+
+# jspec per-layer name -> (HF name under model.layers.{i}., transpose)
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+    "b_gate": ("mlp.gate_proj.bias", False),
+    "b_up": ("mlp.up_proj.bias", False),
+    "b_down": ("mlp.down_proj.bias", False),
+}
+_TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | None, bool]]:
+    """HF name -> (HF shape, jspec key, layer index or None, transpose)."""
+    shapes = param_shapes(cfg)
+    out = {}
+    for key, shape in shapes.items():
+        if key == "layers":
+            continue
+        name, tr = _TOP_TENSORS[key]
+        out[name] = (tuple(reversed(shape)) if tr else shape, key, None, tr)
+    for key, shape in shapes["layers"].items():
+        name, tr = _LAYER_TENSORS[key]
+        per = shape[1:]
+        for i in range(cfg.num_layers):
+            out[f"model.layers.{i}.{name}"] = (tuple(reversed(per)) if tr else per, key, i, tr)
+    return out
+
+
+def _safetensor_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(model_dir, f))]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return [os.path.join(model_dir, f) for f in files]
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; "
+        "jspec loads Hugging Face safetensors checkpoints (convert .bin files with save_pretrained)"
+    )
+
+
+def load_params(model_dir: str, cfg: ModelConfig | None = None, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    """Load `config.json` + safetensors into a jspec parameter pytree of `dtype` (float32 or bfloat16)."""
+    cfg = cfg or load_config(model_dir)
+    expected = expected_tensors(cfg)
+    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+    found: dict[str, np.ndarray] = {}
+    for path in _safetensor_files(model_dir):
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                found[name] = f.get_tensor(name)
+    unexpected = sorted(n for n in found if n not in expected)
+    if cfg.tie_word_embeddings:
+        # Some tied checkpoints also store lm_head.weight as a copy of the embedding; accept only that.
+        if "lm_head.weight" in unexpected and np.array_equal(
+            np.asarray(found["lm_head.weight"]), np.asarray(found.get("model.embed_tokens.weight"))
+        ):
+            unexpected.remove("lm_head.weight")
+    missing = sorted(n for n in expected if n not in found)
+    misshapen = sorted(
+        f"{n}: checkpoint {tuple(found[n].shape)} vs config {expected[n][0]}"
+        for n in expected
+        if n in found and tuple(found[n].shape) != expected[n][0]
+    )
+    if missing or unexpected or misshapen:
+        lines = [f"checkpoint {model_dir!r} does not match its config ({cfg.family}, {cfg.num_layers} layers):"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        if misshapen:
+            lines.append(f"  misshapen tensors ({len(misshapen)}): {'; '.join(misshapen)}")
+        lines.append("  fix: point --target at the matching checkpoint, or correct config.json")
+        raise CheckpointError("\n".join(lines))
+
+    shapes = param_shapes(cfg)
+    host = {k: np.empty(s, np_dtype) for k, s in shapes.items() if k != "layers"}
+    host["layers"] = {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}
+    for name, (_, key, layer, tr) in expected.items():
+        arr = np.asarray(found[name])
+        arr = arr.T if tr else arr
+        if layer is None:
+            host[key][...] = arr.astype(np_dtype)
+        else:
+            host["layers"][key][layer] = arr.astype(np_dtype)
+    return cfg, jax.tree_util.tree_map(jnp.asarray, host)
+
+
+def save_params(model_dir: str, cfg: ModelConfig, params: dict, dtype=None, extra_config: dict | None = None) -> None:
+    """Write `config.json` + `model.safetensors` that transformers loads as LlamaForCausalLM/Qwen3ForCausalLM."""
+    os.makedirs(model_dir, exist_ok=True)
+    tensors = {}
+    for name, (_, key, layer, tr) in expected_tensors(cfg).items():
+        arr = params[key] if layer is None else params["layers"][key][layer]
+        arr = np.asarray(jax.device_get(arr))
+        if dtype is not None:
+            arr = arr.astype(ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype)
+        tensors[name] = np.ascontiguousarray(arr.T if tr else arr)
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["dtype"] = "bfloat16" if tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16 else "float32"
+    hf.update(extra_config or {})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)

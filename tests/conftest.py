@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written with transformers' own save_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+
+
+def make_hf_model(family: str, *, tie: bool = False, sliding: bool = False, rope_scaling: bool = False, seed: int = 0,
+                  vocab: int = 128, layers: int = 2):
+    """A tiny random transformers model with a sensitive init (large weights, random norm gains)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+        tie_word_embeddings=tie, max_position_embeddings=256, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "qwen3":
+        extra = {}
+        if sliding:
+            extra = dict(use_sliding_window=True, sliding_window=5, max_window_layers=layers,
+                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        cfg = transformers.Qwen3Config(rope_theta=10000.0, **common, **extra)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        rope = {"rope_type": "default", "rope_theta": 500000.0}
+        if rope_scaling:
+            rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        cfg = transformers.LlamaConfig(rope_parameters=rope, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """Saved checkpoints by name -> (directory, transformers model)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            family, *flags = name.split("-")
+            model = make_hf_model(family, tie="tied" in flags, sliding="sliding" in flags,
+                                  rope_scaling="scaled" in flags)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            cache[name] = (str(path), model)
+        return cache[name]
+
+    return get
