@@ -1,7 +1,7 @@
 """jspec: lossless speculative decoding with parallel drafters in JAX."""
 
-from jspec.api import GenerateResult, Target, generate, load_target
+from jspec.api import GenerateResult, Target, generate, load_drafter, load_target
 from jspec.models.config import ModelConfig
 from jspec.verify.sampling import SamplingParams
 
-__all__ = ["GenerateResult", "ModelConfig", "SamplingParams", "Target", "generate", "load_target"]
+__all__ = ["GenerateResult", "ModelConfig", "SamplingParams", "Target", "generate", "load_drafter", "load_target"]

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import ar
+from jspec.decode import ar, spec
+from jspec.drafters.base import REGISTRY, Drafter
 from jspec.io.hf import load_params
 from jspec.io.tokenizer import load_tokenizer
 from jspec.models.config import ModelConfig
@@ -82,6 +83,37 @@ def default_cache_size(max_prompt: int, max_new_tokens: int, bucket: int = 64) -
     return _round_up(max_prompt + max_new_tokens, bucket)
 
 
+def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budget: int = 0):
+    """A drafter and its parameters from a name ("lookup") or an HF checkpoint directory (a small LM)."""
+    from jspec.drafters.lm import SmallLM
+    from jspec.drafters.lookup import PromptLookup
+
+    if isinstance(spec_or_path, Drafter):
+        return spec_or_path, ()
+    if isinstance(spec_or_path, tuple):  # (Drafter, params)
+        return spec_or_path
+    if spec_or_path == "lookup":
+        return PromptLookup(block_size=block_size, tree_budget=tree_budget, vocab_size=target.cfg.vocab_size), ()
+    import os
+
+    if isinstance(spec_or_path, str) and os.path.isdir(spec_or_path):
+        if tree_budget:
+            raise ValueError("the small-LM drafter drafts chains: drop --tree-budget or use --drafter lookup")
+        small = load_target(spec_or_path, dtype=target.params["embed"].dtype)
+        if small.tokenizer is not None and target.tokenizer is not None and (
+            small.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
+            raise ValueError(
+                f"drafter {spec_or_path!r} has a different tokenizer from the target {target.path!r}: "
+                "drafter and target must share one tokenizer"
+            )
+        return SmallLM(cfg=small.cfg, block_size=block_size), small.params
+    raise ValueError(
+        f"unknown drafter {spec_or_path!r}: use one of {sorted(set(REGISTRY) - {'lm'})} + 'none', "
+        "or the path of a small Hugging Face LM sharing the target's tokenizer"
+    )
+
+
 def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
@@ -91,11 +123,18 @@ def generate(
     seeds: Sequence[int] | int = 0,
     cache_size: int | None = None,
     eos_ids: Sequence[int] | None = None,
+    drafter=None,
+    verifier: str | None = None,
+    block_size: int = 4,
+    tree_budget: int = 0,
 ) -> GenerateResult:
-    """Plain autoregressive generation for a batch of token-id prompts of different lengths.
+    """Generate for a batch of token-id prompts of different lengths, in one compiled call.
 
+    drafter: None (plain autoregressive decoding), "lookup", an HF directory of a small LM with the
+    target's tokenizer, a Drafter instance, or a (Drafter, params) pair. verifier: "greedy" (the
+    default at temperature 0), "gumbel" (the default otherwise), "speculative" or "block".
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
-    (included in its output), at max_new_tokens, or when its cache is full.
+    (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
     """
     cfg = target.cfg
     if not isinstance(sampling, SamplingParams):
@@ -116,13 +155,73 @@ def generate(
         raise ValueError(f"got {seeds.size} seeds for {len(prompts)} prompts: pass one seed per prompt or one int")
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
     dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos)
+    args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
 
-    start = time.perf_counter()
-    state = ar.generate_ar(target.params, cfg, dcfg, jnp.asarray(packed), jnp.asarray(lens),
-                           jnp.asarray(seeds.astype(np.uint32)))
-    tokens, logprobs, length = jax.device_get((state.tokens, state.logprobs, state.length))
-    wall = time.perf_counter() - start
+    if drafter is None or drafter == "none":
+        if verifier not in (None, "greedy", "gumbel") or tree_budget:
+            raise ValueError("plain autoregressive decoding (no drafter) takes no verifier or tree budget")
+        start = time.perf_counter()
+        state = ar.generate_ar(target.params, cfg, dcfg, *args)
+        tokens, logprobs, length, steps = jax.device_get((state.tokens, state.logprobs, state.length, state.steps))
+        wall = time.perf_counter() - start
+        rounds = int(steps)
+        stats = {"rounds": rounds, "tau": 1.0, "accepted_per_position": []}
+    else:
+        dr, dparams = _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
+        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling))
+        start = time.perf_counter()
+        state = spec.generate_spec(target.params, dparams, cfg, dr, scfg, *args)
+        tokens, logprobs, length, st = jax.device_get(
+            (state.core.tokens, state.core.logprobs, state.core.length, state.stats))
+        wall = time.perf_counter() - start
+        rounds = int(st.rounds.sum())
+        stats = {
+            "rounds": rounds,
+            "tau": float(st.committed.sum()) / max(rounds, 1),
+            "accepted_per_position": st.per_position.sum(0).tolist(),
+            "accept_hist": st.hist.sum(0).tolist(),
+            "loop_rounds": int(st.loop_rounds),
+        }
     out_tokens = [tokens[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     out_logps = [logprobs[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
-    stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, "steps": int(state.steps) + 1}
+    stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, **stats}
     return GenerateResult(out_tokens, out_logps, stats)
+
+
+def _default_verifier(verifier: str | None, sampling: SamplingParams) -> str:
+    if verifier is None:
+        return "greedy" if sampling.greedy else "gumbel"
+    if verifier not in spec.VERIFIERS:
+        raise ValueError(f"unknown verifier {verifier!r}; choose one of {', '.join(spec.VERIFIERS)}")
+    if verifier == "greedy" and not sampling.greedy:
+        raise ValueError(
+            f"the greedy verifier is lossless only at temperature 0 (got {sampling.temperature}): "
+            "use --verifier gumbel, speculative or block for sampling"
+        )
+    return verifier
+
+
+def _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size):
+    """Validate on the host and fix the drafter's proposal mode and sampling to match the verifier."""
+    for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1 draft token, got {block_size}")
+    if tree_budget < 0:
+        raise ValueError(f"tree budget must be >= 0 nodes (0 = chain), got {tree_budget}")
+    dr, dparams = load_drafter(drafter, target, block_size=block_size, tree_budget=tree_budget)
+    verifier = _default_verifier(verifier, sampling)
+    if dr.num_drafts >= cache_size:
+        raise ValueError(
+            f"{dr.num_drafts} drafts per round do not fit a cache of {cache_size} rows: "
+            "lower the block size / tree budget or raise the cache size"
+        )
+    if dr.kind == "tree" and verifier in spec.CHAIN_ONLY:
+        raise ValueError(
+            f"the {verifier!r} verifier is chain-only and cannot verify a tree (tree budget {dr.num_drafts}): "
+            "use greedy, gumbel or speculative with trees, or drop the tree budget"
+        )
+    dr.validate(target.cfg, dparams)
+    dr = dataclasses.replace(dr, mode=spec.DRAFT_MODE[verifier], sampling=sampling)
+    return dr, dparams

@@ -2,6 +2,8 @@
 
     jspec generate --target PATH (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json]
+                   [--drafter none|lookup|PATH] [--verifier greedy|speculative|block|gumbel]
+                   [--block-size G] [--tree-budget N]
     jspec demo     create a small random model in HF format, reload it and generate
 """
 
@@ -41,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _sampling_args(gen)
+    sp = gen.add_argument_group("speculative decoding")
+    sp.add_argument("--drafter", default="none",
+                    help="none (plain autoregressive), lookup (prompt lookup), or PATH of a small HF LM "
+                         "sharing the target's tokenizer")
+    sp.add_argument("--verifier", default=None, choices=["greedy", "speculative", "block", "gumbel"],
+                    help="default: greedy at temperature 0, gumbel otherwise")
+    sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
+    sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
 
     demo = sub.add_parser("demo", help="create a small random model in HF format, reload it and generate")
     demo.add_argument("--out", default="demo_out/model", help="where to write the demo checkpoint")
@@ -57,7 +67,8 @@ def cmd_generate(args) -> int:
     target = jspec.load_target(args.target, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     prompt = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else target.encode(args.prompt)
     res = jspec.generate(target, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                         seeds=[args.seed], cache_size=args.cache_size)
+                         seeds=[args.seed], cache_size=args.cache_size, drafter=args.drafter,
+                         verifier=args.verifier, block_size=args.block_size, tree_budget=args.tree_budget)
     text = target.decode(res.tokens[0])
     if args.json:
         out = {"tokens": res.tokens[0], "stats": res.stats}
@@ -66,7 +77,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         print(text if text is not None else " ".join(map(str, res.tokens[0])))
-        print(f"[{res.stats['new_tokens']} tokens in {res.stats['wall_s']:.3f} s, compile included]", file=sys.stderr)
+        print(f"[{res.stats['new_tokens']} tokens in {res.stats['wall_s']:.3f} s (compile included), "
+              f"{res.stats['rounds']} rounds, tau {res.stats['tau']:.2f}]", file=sys.stderr)
     return 0
 
 

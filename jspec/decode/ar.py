@@ -27,6 +27,11 @@ class DecodeConfig:
     cache_size: int
     sampling: SamplingParams = SamplingParams(temperature=0.0)
     eos_ids: tuple[int, ...] = ()
+    scratch_rows: int = 0  # cache rows beyond cache_size for verify passes that reach past the text
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @jax.tree_util.register_dataclass
@@ -60,24 +65,48 @@ def choose_tokens(logits: jax.Array, seeds: jax.Array, index: jax.Array, samplin
     return token, jnp.take_along_axis(report, token[:, None], axis=-1)[:, 0]
 
 
+def append_tokens(state: ARState, emitted: jax.Array, logprobs: jax.Array, count: jax.Array, dcfg: DecodeConfig):
+    """Append up to `count` [B] tokens of emitted [B, K] per live row, then update the stop flags.
+
+    A row keeps a prefix of its offer: it stops after an EOS (kept), at max_new_tokens, or when its
+    buffer of cache_size tokens is full; done rows keep nothing. Returns (state, kept [B]).
+    """
+    b, k = emitted.shape
+    i = jnp.arange(k)[None, :]
+    offered = i < count[:, None]
+    if dcfg.eos_ids:
+        is_eos = jnp.isin(emitted, jnp.asarray(dcfg.eos_ids, jnp.int32)) & offered
+        count = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, count)
+    else:
+        is_eos = jnp.zeros_like(offered)
+    budget = dcfg.max_new_tokens - (state.length - state.prompt_len)
+    room = dcfg.cache_size - state.length
+    kept = jnp.where(state.done, 0, jnp.minimum(count, jnp.minimum(budget, room)))
+    idx = jnp.where(i < kept[:, None], state.length[:, None] + i, state.tokens.shape[1])  # out of range: dropped
+    rows = jnp.arange(b)[:, None]
+    tokens = state.tokens.at[rows, idx].set(emitted, mode="drop")
+    logps = state.logprobs.at[rows, idx].set(logprobs, mode="drop")
+    length = state.length + kept
+    hit_eos = jnp.any(is_eos & (i < kept[:, None]), axis=1)
+    done = state.done | hit_eos | (length - state.prompt_len >= dcfg.max_new_tokens) | (length >= dcfg.cache_size)
+    return dataclasses.replace(state, tokens=tokens, logprobs=logps, length=length, done=done), kept
+
+
 def _emit(state: ARState, token, logprob, dcfg: DecodeConfig) -> ARState:
-    """Append one token per live row and update the stop flags."""
-    rows = jnp.arange(token.shape[0])
-    idx = jnp.where(state.done, state.tokens.shape[1], state.length)  # out of range: dropped
-    tokens = state.tokens.at[rows, idx].set(token, mode="drop")
-    logprobs = state.logprobs.at[rows, idx].set(logprob, mode="drop")
-    length = state.length + (~state.done).astype(jnp.int32)
-    is_eos = jnp.isin(token, jnp.asarray(dcfg.eos_ids, jnp.int32)) if dcfg.eos_ids else jnp.zeros_like(state.done)
-    done = state.done | is_eos | (length - state.prompt_len >= dcfg.max_new_tokens) | (length >= dcfg.cache_size)
-    return dataclasses.replace(state, tokens=tokens, logprobs=logprobs, length=length, done=done)
+    """Append one token per live row."""
+    one = jnp.ones_like(state.length)
+    return append_tokens(state, token[:, None], logprob[:, None], one, dcfg)[0]
 
 
-def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds) -> ARState:
-    """Cache the prompts (right-padded [B, P]) and choose the first new token of every row."""
+def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds, taps=()):
+    """Cache the prompts (right-padded [B, P]) and choose the first new token of every row.
+
+    Returns (state, taps [n_taps, B, P, D] or None).
+    """
     b, p = prompts.shape
-    cache = transformer.KVCache.zeros(cfg, b, dcfg.cache_size, params["embed"].dtype)
+    cache = transformer.KVCache.zeros(cfg, b, dcfg.cache_size + dcfg.scratch_rows, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = transformer.forward(params, cfg, prompts, positions, cache)
+    out = transformer.forward(params, cfg, prompts, positions, cache, taps=taps)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
     token, logprob = choose_tokens(transformer.logits(params, cfg, last), seeds, prompt_len, dcfg.sampling,
                                    cfg.vocab_size)
@@ -87,7 +116,7 @@ def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, s
         prompt_len=prompt_len, seeds=seeds, done=jnp.zeros((b,), bool), cache=out.cache,
         steps=jnp.zeros((), jnp.int32),
     )
-    return _emit(state, token, logprob, dcfg)
+    return _emit(state, token, logprob, dcfg), out.taps
 
 
 def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) -> ARState:
@@ -102,13 +131,13 @@ def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) ->
 
 
 def _generate(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds) -> ARState:
-    state = prefill(params, cfg, dcfg, prompts, prompt_len, seeds)
+    state, _ = prefill(params, cfg, dcfg, prompts, prompt_len, seeds)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_step(params, cfg, dcfg, s), state)
 
 
 generate_ar = jax.jit(_generate, static_argnums=(1, 2))
 """generate_ar(params, cfg, dcfg, prompts [B, P], prompt_len [B], seeds [B]) -> ARState; one compiled call."""
 
-prefill_jit = jax.jit(prefill, static_argnums=(1, 2))
+prefill_jit = jax.jit(lambda *a: prefill(*a)[0], static_argnums=(1, 2))
 decode_step_jit = jax.jit(decode_step, static_argnums=(1, 2), donate_argnums=(3,))
 """A single step with the state donated: the Python-loop baseline that benchmarks compare against."""

@@ -120,8 +120,8 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, position
     k = rope(k, positions, inv_freq)
 
     batch_idx = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[batch_idx, cache_rows].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[batch_idx, cache_rows].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[batch_idx, cache_rows].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[batch_idx, cache_rows].set(v.astype(v_cache.dtype), mode="drop")
 
     mask, key_valid = attention_mask(positions, cache_rows, ctx_len, k_cache.shape[1], tree_mask, window)
     # Rows nobody may read are zeroed so that stale or NaN-filled memory cannot leak through 0 * NaN.

@@ -1,0 +1,190 @@
+"""Speculative decoding in one compiled `lax.while_loop`: propose -> verify pass -> accept -> commit.
+
+Per round and row (DESIGN.md, "One round"): the drafter proposes a chain [g] or a tree [N] below the
+pending anchor (the last committed token, whose target K/V is not cached yet); the target runs
+[anchor, proposals] in one pass at positions length - 1 + depth (causal for chains, ancestor-only
+for trees), writing K/V into rows length - 1 ...; a pure verification rule returns the accepted count
+n and a correction-or-bonus token; the anchor and the n accepted rows become target history (a tree's
+accepted path is first compacted into consecutive rows), the correction/bonus becomes the next anchor.
+Rows past the committed length are never read: the mask only admits rows < length - 1 plus the
+current pass's own rows.
+
+The cache holds cache_size + verify-width rows so a verify pass never writes outside it; the text
+buffer holds cache_size tokens and a row stops when it is full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.decode import ar
+from jspec.drafters.base import GREEDY, GUMBEL, SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo
+from jspec.models import transformer
+from jspec.models.config import ModelConfig
+from jspec.verify.chain import CHAIN_RULES
+from jspec.verify.sampling import served_logprobs
+from jspec.verify.tree import TREE_RULES
+
+VERIFIERS = ("greedy", "speculative", "block", "gumbel")
+CHAIN_ONLY = ("block",)
+DRAFT_MODE = {"greedy": GREEDY, "gumbel": GUMBEL, "speculative": SAMPLE, "block": SAMPLE}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    decode: ar.DecodeConfig
+    verifier: str = "greedy"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStats:
+    """On-device counters, per row; a round counts for a row only while the row is live."""
+
+    rounds: jax.Array  # [B]
+    committed: jax.Array  # [B] tokens kept by rounds (the prefill's first token excluded)
+    accepted: jax.Array  # [B] accepted drafts (before EOS / budget truncation)
+    hist: jax.Array  # [B, D + 1] rounds by accepted count n
+    per_position: jax.Array  # [B, D] rounds whose draft at depth i + 1 was accepted
+    loop_rounds: jax.Array  # [] iterations of the while_loop
+
+    @classmethod
+    def zeros(cls, b: int, d: int) -> "SpecStats":
+        z = jnp.zeros((b,), jnp.int32)
+        return cls(z, z, z, jnp.zeros((b, d + 1), jnp.int32), jnp.zeros((b, d), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    core: ar.ARState  # text buffer, lengths, seeds, done flags, target cache
+    draft: object  # the drafter's state pytree
+    stats: SpecStats
+
+
+def ancestor_mask(parent: jax.Array) -> jax.Array:
+    """[B, N+1, N+1] bool over [anchor, nodes]: row i sees itself and its ancestors (anchor = index 0)."""
+    b, n = parent.shape
+    anc = jnp.broadcast_to(jnp.eye(n + 1, dtype=bool), (b, n + 1, n + 1))
+    rows = jnp.arange(b)
+
+    def add(i, anc):  # parents precede children, so row parent+1 is complete when row i+1 is built
+        par = parent[:, i] + 1
+        return anc.at[:, i + 1].set(anc[:, i + 1] | anc[rows, par])
+
+    return jax.lax.fori_loop(0, n, add, anc)
+
+
+def _report_logp(logits: jax.Array, logp: jax.Array, greedy: bool) -> jax.Array:
+    """What `logprobs` reports: the served log-prob, or the model's own log-softmax when greedy."""
+    return jax.nn.log_softmax(logits, axis=-1) if greedy else logp
+
+
+def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
+    g = drafter.num_drafts
+    b = anchor.shape[0]
+    vt = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)
+    positions = core.length[:, None] - 1 + jnp.arange(g + 1)[None]
+    out = transformer.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps)
+    logits = transformer.logits(params, cfg, out.hidden)
+    logp = served_logprobs(logits, scfg.decode.sampling)
+    rule = CHAIN_RULES[scfg.verifier]
+    if scfg.verifier == "greedy":
+        res = jax.vmap(rule)(logp, prop.tokens)
+    elif scfg.verifier == "gumbel":
+        res = jax.vmap(rule)(logp, prop.tokens, core.seeds, core.length)
+    else:
+        res = jax.vmap(rule)(logp, prop.tokens, prop.q_logp, core.seeds, core.length)
+    i = jnp.arange(g + 1)[None]
+    drafts = jnp.concatenate([prop.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
+    report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
+    emitted_logp = jnp.take_along_axis(report, emitted[..., None], axis=-1)[..., 0]
+    return res.n, emitted, emitted_logp, out.cache, out.taps
+
+
+def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
+    n_nodes, depth_max = drafter.num_drafts, drafter.max_depth
+    b = anchor.shape[0]
+    rows = jnp.arange(b)[:, None]
+    vt = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), prop.depth], axis=1)
+    positions = core.length[:, None] - 1 + depth
+    cache_rows = core.length[:, None] - 1 + jnp.arange(n_nodes + 1)[None]
+    out = transformer.forward(params, cfg, vt, positions, core.cache, ctx_len=core.length - 1,
+                              cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent), taps=drafter.taps)
+    logits = transformer.logits(params, cfg, out.hidden)
+    logp = served_logprobs(logits, scfg.decode.sampling)
+    if scfg.verifier == "greedy":
+        res = jax.vmap(TREE_RULES["greedy"])(logp, prop.tokens, prop.parent, prop.depth)
+    elif scfg.verifier == "gumbel":
+        res = jax.vmap(TREE_RULES["gumbel"])(logp, prop.tokens, prop.parent, prop.depth, core.seeds, core.length)
+    elif drafter.tree_children == "deterministic":  # fixed children: accept x w.p. p(x), else remove x
+        res = jax.vmap(TREE_RULES["sampling_deterministic"])(logp, prop.tokens, prop.parent, prop.depth,
+                                                              core.seeds, core.length)
+    else:  # children drawn i.i.d. from q: recursive rejection over siblings
+        res = jax.vmap(TREE_RULES["sampling"])(logp, prop.tokens, prop.parent, prop.depth, prop.q_logp,
+                                               core.seeds, core.length)
+    path = res.path[:, :depth_max]  # accepted nodes by depth, -1 past n
+    j = jnp.arange(depth_max)[None]
+    on_path = j < res.n[:, None]
+    safe_path = jnp.where(on_path, path, 0)
+    emitted = jnp.concatenate([jnp.where(on_path, prop.tokens[rows, safe_path], 0), jnp.zeros((b, 1), jnp.int32)], 1)
+    emitted = jnp.where(jnp.arange(depth_max + 1)[None] == res.n[:, None], res.token[:, None], emitted)
+    # Verify row whose distribution chose emitted token j: the anchor's for j = 0, else the parent node's.
+    src_row = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), safe_path + 1], axis=1)
+    report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
+    emitted_logp = jnp.take_along_axis(report[rows, src_row], emitted[..., None], axis=-1)[..., 0]
+    # Compact the accepted path: node path[j] (row length + path[j]) moves to row length + j.
+    dst = core.length[:, None] + j
+    src = jnp.where(on_path, core.length[:, None] + safe_path, dst)
+    cache = out.cache
+    cache = transformer.KVCache(cache.k.at[:, rows, dst].set(cache.k[:, rows, src]),
+                                cache.v.at[:, rows, dst].set(cache.v[:, rows, src]))
+    taps = None if out.taps is None else out.taps[:, rows, src_row]
+    return res.n, emitted, emitted_logp, cache, taps
+
+
+def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, state: SpecState) -> SpecState:
+    core = state.core
+    ctx = DraftContext(core.tokens, core.length, core.seeds, params)
+    prop, dstate = drafter.propose(dparams, state.draft, ctx)
+    anchor = jnp.take_along_axis(core.tokens, (core.length - 1)[:, None], axis=1)[:, 0]
+    verify = _verify_tree if drafter.kind == "tree" else _verify_chain
+    n, emitted, emitted_logp, cache, taps = verify(params, cfg, drafter, scfg, core, prop, anchor)
+
+    live = ~core.done
+    new_core, kept = ar.append_tokens(dataclasses.replace(core, cache=cache), emitted, emitted_logp, n + 1,
+                                      scfg.decode)
+    new_core = dataclasses.replace(new_core, steps=core.steps + 1)
+    dstate = drafter.commit(dparams, dstate, CommitInfo(new_core.tokens, core.length, new_core.length, taps))
+
+    s = state.stats
+    d = s.per_position.shape[1]
+    livei = live.astype(jnp.int32)
+    stats = SpecStats(
+        rounds=s.rounds + livei,
+        committed=s.committed + kept,
+        accepted=s.accepted + livei * n,
+        hist=s.hist + livei[:, None] * jax.nn.one_hot(n, d + 1, dtype=jnp.int32),
+        per_position=s.per_position + livei[:, None] * (jnp.arange(d)[None] < n[:, None]).astype(jnp.int32),
+        loop_rounds=s.loop_rounds + 1,
+    )
+    return SpecState(new_core, dstate, stats)
+
+
+def _generate(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, prompts, prompt_len, seeds):
+    width = drafter.num_drafts + 1
+    dcfg = dataclasses.replace(scfg.decode, scratch_rows=width)
+    core, taps = ar.prefill(params, cfg, dcfg, prompts, prompt_len, seeds, taps=drafter.taps)
+    dstate = drafter.init(dparams, PrefillInfo(prompts, prompt_len, taps), dcfg.cache_size + width)
+    state = SpecState(core, dstate, SpecStats.zeros(prompts.shape[0], drafter.max_depth))
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.core.done),
+                              lambda s: spec_round(params, dparams, cfg, drafter, scfg, s), state)
+
+
+generate_spec = jax.jit(_generate, static_argnums=(2, 3, 4))
+"""generate_spec(params, dparams, cfg, drafter, scfg, prompts [B, P], prompt_len [B], seeds [B]) -> SpecState."""

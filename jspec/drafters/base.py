@@ -1,0 +1,147 @@
+"""The drafter protocol and registry.
+
+A drafter is a frozen (hashable) dataclass: its fields are static configuration, its parameters and
+state are pytrees passed explicitly. Per round the loop calls
+
+    proposal, state = drafter.propose(dparams, state, ctx)     # ctx: DraftContext
+    ... target verify pass, verification rule ...
+    state = drafter.commit(dparams, state, commit)             # commit: CommitInfo
+
+and, once after the target's prefill, `state = drafter.init(dparams, prefill)`.
+
+A new drafter is one module with a `Drafter` subclass plus a `register("name")` decorator.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models.config import ModelConfig
+from jspec.verify import noise
+from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
+
+# How a drafter turns its own distribution into proposals; fixed by the verification rule.
+GREEDY, SAMPLE, GUMBEL = "greedy", "sample", "gumbel"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Proposal:
+    """Drafted tokens for one round.
+
+    chain: tokens [B, g]; q_logp [B, g, V] (the served q that produced token i) or None.
+    tree:  tokens [B, N]; parent [B, N] (-1 = child of the anchor, else an earlier node);
+           depth [B, N] (>= 1); q_logp [B, N + 1, V] (row 0: the anchor's children, row i + 1:
+           node i's children) or None.
+    """
+
+    tokens: jax.Array
+    q_logp: jax.Array | None = None
+    parent: jax.Array | None = None
+    depth: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInfo:
+    prompts: jax.Array  # [B, P] right-padded
+    prompt_len: jax.Array  # [B]
+    taps: jax.Array | None  # [n_taps, B, P, D] target taps over the prompt (when the drafter asks)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftContext:
+    tokens: jax.Array  # [B, S] committed text; the anchor (pending token) is at length - 1
+    length: jax.Array  # [B]
+    seeds: jax.Array  # [B]
+    target_params: Any  # the frozen target's parameters (for drafters that share embeddings / head)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CommitInfo:
+    """What the round committed, per row. Positions old_length - 1 .. new_length - 2 became target
+    history (the old anchor and the accepted drafts); the token at new_length - 1 is the new anchor."""
+
+    tokens: jax.Array  # [B, S] after the commit
+    old_length: jax.Array  # [B]
+    new_length: jax.Array  # [B]
+    taps: jax.Array | None  # [n_taps, B, T, D] target taps of the verify rows, compacted to committed order
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter(abc.ABC):
+    """Base class: static configuration of a drafter. Subclasses set `kind` and implement the hooks."""
+
+    kind: ClassVar[str] = "chain"  # "chain" | "tree"
+    # For trees: are siblings i.i.d. draws from q ("iid") or fixed choices ("deterministic")?
+    tree_children: ClassVar[str] = "deterministic"
+    mode: str = GREEDY  # proposal policy; set by the loop from the verification rule
+    sampling: SamplingParams = SamplingParams(0.0)  # the served sampling transform (shared with the target)
+
+    @property
+    @abc.abstractmethod
+    def num_drafts(self) -> int:
+        """g for a chain, N (the tree budget) for a tree."""
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_drafts
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter needs (prefill and verify pass)."""
+        return ()
+
+    @property
+    def needs_q(self) -> bool:
+        return self.mode == SAMPLE
+
+    def validate(self, target_cfg: ModelConfig, dparams: Any) -> None:
+        """Host-side checks against the target (vocabulary, taps); raise ValueError naming the fix."""
+
+    def init(self, dparams: Any, prefill: PrefillInfo, cache_size: int) -> Any:
+        return ()
+
+    @abc.abstractmethod
+    def propose(self, dparams: Any, state: Any, ctx: DraftContext) -> tuple[Proposal, Any]:
+        """Draft for every row (rows that are done may draft anything)."""
+
+    def commit(self, dparams: Any, state: Any, info: CommitInfo) -> Any:
+        return state
+
+    # Helper shared by drafters that hold a distribution: choose a token the way `mode` says.
+    def choose(self, logits: jax.Array, seeds: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Token [B] at absolute indices [B] and the served log-probs [B, V] it was drawn from."""
+        logp = served_logprobs(logits, self.sampling)
+        vocab = logits.shape[-1]
+        if self.mode == GREEDY:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        elif self.mode == GUMBEL:  # the target's own noise: coupling makes agreement likely
+            token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
+        else:  # independent noise: an honest sample from q
+            token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.DRAFT, vocab))
+        return token, logp
+
+
+REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        REGISTRY[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return deco
+
+
+def point_mass_logp(tokens: jax.Array, vocab: int) -> jax.Array:
+    """q for deterministic proposals: log one-hot [..., V] (0 at the token, -inf elsewhere)."""
+    return jnp.where(jax.nn.one_hot(tokens, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
