@@ -1,0 +1,57 @@
+"""DDTree: a best-first token tree from a parallel drafter's per-position marginals (training-free).
+
+The drafter gives independent marginals q_d over the token at depth d = 1..g below the anchor. A
+tree node is a ranked prefix (r_1, ..., r_d) (r_i indexes the top-k tokens of q_i) scored by
+sum_i log q_i(top_k(q_i)[r_i]). Best-first search pops the highest-scoring prefix, makes it a node
+and pushes its next sibling (same depth, rank + 1) and its first child (depth + 1, rank 0), until the
+node budget N is reached. Every push uses two fresh slots, so a heap of 2N + 1 slots never
+overflows; parents are popped before their children, so node indices are topologically ordered.
+Siblings are distinct tokens chosen without randomness (deterministic children for verification).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def build_tree(logq: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logq [g, V] per-depth log-marginals -> (tokens [N], parent [N] (-1 = anchor), depth [N] >= 1)."""
+    g, vocab = logq.shape
+    k = min(budget, vocab)
+    top_v, top_i = jax.lax.top_k(logq.astype(jnp.float32), k)  # [g, k], best first
+    cap = 2 * budget + 1
+    score = jnp.full((cap,), -jnp.inf).at[0].set(top_v[0, 0])
+    depth = jnp.zeros((cap,), jnp.int32).at[0].set(1)
+    rank = jnp.zeros((cap,), jnp.int32)
+    parent = jnp.full((cap,), -1, jnp.int32)
+
+    def pop(i, carry):
+        score, depth, rank, parent, out_tok, out_par, out_dep = carry
+        j = jnp.argmax(score)
+        empty = jnp.isneginf(score[j])  # fewer prefixes than the budget: pad with a harmless leaf
+        d, r, par, sc = depth[j], rank[j], parent[j], score[j]
+        d = jnp.where(empty, 1, d)
+        r = jnp.where(empty, 0, r)
+        par = jnp.where(empty, -1, par)
+        out_tok = out_tok.at[i].set(top_i[d - 1, r])
+        out_par = out_par.at[i].set(par)
+        out_dep = out_dep.at[i].set(d)
+        score = score.at[j].set(-jnp.inf)
+        sib_ok = ~empty & (r + 1 < k)
+        sib_score = sc - top_v[d - 1, r] + top_v[d - 1, jnp.minimum(r + 1, k - 1)]
+        score = score.at[2 * i + 1].set(jnp.where(sib_ok, sib_score, -jnp.inf))
+        depth = depth.at[2 * i + 1].set(d)
+        rank = rank.at[2 * i + 1].set(r + 1)
+        parent = parent.at[2 * i + 1].set(par)
+        child_ok = ~empty & (d < g)
+        score = score.at[2 * i + 2].set(jnp.where(child_ok, sc + top_v[jnp.minimum(d, g - 1), 0], -jnp.inf))
+        depth = depth.at[2 * i + 2].set(d + 1)
+        rank = rank.at[2 * i + 2].set(0)
+        parent = parent.at[2 * i + 2].set(i)
+        return score, depth, rank, parent, out_tok, out_par, out_dep
+
+    init = (score, depth, rank, parent, jnp.zeros((budget,), jnp.int32), jnp.zeros((budget,), jnp.int32),
+            jnp.zeros((budget,), jnp.int32))
+    *_, tokens, parents, depths = jax.lax.fori_loop(0, budget, pop, init)
+    return tokens, parents, depths

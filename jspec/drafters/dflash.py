@@ -1,0 +1,261 @@
+"""DFlash: a parallel drafter conditioned on the target's hidden features.
+
+One forward drafts a whole block: the block stream is [anchor, mask, ..., mask] (embedded with the
+target's frozen embedding); every draft layer attends, bidirectionally inside the block, over the
+block and over the K/V of the fused target features of committed positions strictly before the
+anchor. The fused feature H_ctx = hidden_norm(fc(concat(taps))) is injected into every layer
+through that layer's own k_proj / v_proj (with k_norm and RoPE at the feature's absolute position);
+H_ctx does not pass through the layer's input norm. Logits come from the target's frozen LM head.
+
+Draft context cache: per draft layer, K/V of H_ctx at committed positions (rows = positions). It is
+written at `commit` from the target taps of exactly the committed rows (the old anchor and the
+accepted drafts), so rejected rows never enter it; block K/V are computed per round and never
+stored. Writing the projected context at commit is equivalent to "feed the uncached features with
+the block, then crop back", since a context key/value depends only on its own feature and position.
+
+Block conventions (both supported, named by `anchor_predicts`):
+- False (z-lab DFlash / DFlash2): `block_size` B counts the anchor; slots 1..B-1 give B-1 drafts,
+  slot k predicting the token at anchor_pos + k.
+- True (DeepSpec DSpark and its DFlash baseline): the anchor slot predicts too; B slots give B drafts,
+  slot k predicting the token at anchor_pos + k + 1.
+
+With `tree_budget > 0` the per-slot distributions feed a DDTree best-first tree (jspec.drafters.ddtree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.drafters import ddtree
+from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal, register
+from jspec.models import transformer
+from jspec.models.config import ModelConfig, default_rope_inv_freq
+
+
+def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
+    """n == 1 -> [L // 2]; else round(1 + i (L - 4) / (n - 1)) for i < n (layers 1 .. L - 3)."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Static description of a DFlash draft model. `layers` describes the draft decoder stack (Qwen3
+    layout with the target's hidden size, heads and head_dim); its vocab_size is the target's."""
+
+    layers: ModelConfig
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    anchor_predicts: bool = False
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size if self.anchor_predicts else self.block_size - 1
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layers.hidden_size
+
+
+def param_shapes(cfg: DFlashConfig) -> dict:
+    """fc [n*H, H], hidden_norm [H], norm [H], layers: the transformer layer stack (no embedding / head)."""
+    layer_shapes = transformer.param_shapes(cfg.layers)["layers"]
+    h = cfg.hidden_size
+    return {"fc": (len(cfg.target_layer_ids) * h, h), "hidden_norm": (h,), "norm": (h,), "layers": layer_shapes}
+
+
+def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    k1, k2 = jax.random.split(key)
+    stack = transformer.init_params(dataclasses.replace(cfg.layers, tie_word_embeddings=True), k1, dtype, std)
+    h = cfg.hidden_size
+    return {
+        "fc": (std * jax.random.normal(k2, (len(cfg.target_layer_ids) * h, h))).astype(dtype),
+        "hidden_norm": jnp.ones((h,), dtype),
+        "norm": jnp.ones((h,), dtype),
+        "layers": stack["layers"],
+    }
+
+
+def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
+    """H_ctx [B, T, H] from taps [n, B, T, H]."""
+    x = jnp.concatenate(list(taps), axis=-1)
+    return transformer.rms_norm(x @ params["fc"], params["hidden_norm"], cfg.layers.rms_norm_eps)
+
+
+def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
+    """Per-layer context K, V [Ld, B, T, Hkv, Dh] of the fused features at `positions` [B, T]."""
+    lc = cfg.layers
+    h_ctx = fuse(params, cfg, taps)
+    b, t, _ = h_ctx.shape
+    inv_freq = jnp.asarray(default_rope_inv_freq(lc))
+
+    def one(lp):
+        k = (h_ctx @ lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+        k = transformer.rope(transformer.rms_norm(k, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
+        v = (h_ctx @ lp["wv"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+        return k, v
+
+    return jax.lax.map(one, params["layers"])
+
+
+def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                anchor: jax.Array, anchor_pos: jax.Array) -> jax.Array:
+    """Final-normed hidden states [B, W, H] of the block [anchor, mask x (W - 1)], W = block_size.
+
+    ctx_k, ctx_v [Ld, B, S, Hkv, Dh]: context rows < anchor_pos are visible (committed features
+    strictly before the anchor); rows at or after it are masked and zeroed, whatever they hold.
+    """
+    lc = cfg.layers
+    w = cfg.block_size
+    b = anchor.shape[0]
+    tokens = jnp.concatenate([anchor[:, None], jnp.full((b, w - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+    h = embed[tokens]
+    positions = anchor_pos[:, None] + jnp.arange(w)[None]
+    inv_freq = jnp.asarray(default_rope_inv_freq(lc))
+    s = ctx_k.shape[2]
+    rows = jnp.arange(s)
+    visible = rows[None, :] < anchor_pos[:, None]  # [B, S]
+    windows = jnp.asarray(lc.windows, jnp.int32)
+    hq, hkv, dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
+
+    def layer(h, xs):
+        lp, kc, vc, window = xs
+        x = transformer.rms_norm(h, lp["attn_norm"], lc.rms_norm_eps)
+        q = (x @ lp["wq"]).reshape(b, w, hq, dh)
+        kb = (x @ lp["wk"]).reshape(b, w, hkv, dh)
+        vb = (x @ lp["wv"]).reshape(b, w, hkv, dh)
+        q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], lc.rms_norm_eps), positions, inv_freq)
+        kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
+        # Sliding layers: context key j is visible to block slot i iff j >= anchor + i - (W - 1).
+        in_window = rows[None, None, :] >= positions[:, :, None] - (window - 1)
+        ctx_mask = visible[:, None, :] & ((window == 0) | in_window)  # [B, W, S]
+        keys = jnp.concatenate([jnp.where(visible[:, :, None, None], kc, 0), kb], axis=1)
+        vals = jnp.concatenate([jnp.where(visible[:, :, None, None], vc, 0), vb], axis=1)
+        mask = jnp.concatenate([ctx_mask, jnp.ones((b, w, w), bool)], axis=2)  # bidirectional in the block
+        qg = q.reshape(b, w, hkv, hq // hkv, dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
+        probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, w, hq * dh)
+        h = h + attn @ lp["wo"]
+        x = transformer.rms_norm(h, lp["mlp_norm"], lc.rms_norm_eps)
+        h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+        return h, None
+
+    h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v, windows))
+    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
+
+
+def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:
+    """The slots that carry drafts: [B, g, H]."""
+    return hidden if cfg.anchor_predicts else hidden[:, 1:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DFlashState:
+    k: jax.Array  # [Ld, B, S, Hkv, Dh] context keys at committed positions
+    v: jax.Array
+
+
+def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, positions, keep) -> DFlashState:
+    """Project taps [n, B, T, H] at positions [B, T] into the context cache where keep [B, T]."""
+    k, v = context_kv(params, cfg, taps, positions)
+    s = state.k.shape[2]
+    rows = jnp.where(keep, positions, s)  # out of range: dropped
+    b_idx = jnp.arange(positions.shape[0])[:, None]
+    return DFlashState(state.k.at[:, b_idx, rows].set(k.astype(state.k.dtype), mode="drop"),
+                       state.v.at[:, b_idx, rows].set(v.astype(state.v.dtype), mode="drop"))
+
+
+def target_head(target_params: dict, target_cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    return transformer.logits(target_params, target_cfg, hidden)
+
+
+@register("dflash")
+@dataclasses.dataclass(frozen=True)
+class DFlash(Drafter):
+    cfg: DFlashConfig | None = None
+    target_cfg: ModelConfig | None = None  # the target's config (its embedding / LM head are shared)
+    tree_budget: int = 0
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "tree" if self.tree_budget else "chain"
+
+    @property
+    def num_drafts(self) -> int:
+        return self.tree_budget or self.cfg.num_drafts
+
+    @property
+    def max_depth(self) -> int:
+        return min(self.tree_budget, self.cfg.num_drafts) if self.tree_budget else self.cfg.num_drafts
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return tuple(self.cfg.target_layer_ids)
+
+    def validate(self, target_cfg: ModelConfig, dparams) -> None:
+        validate_against_target(self.cfg, target_cfg)
+
+    def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> DFlashState:
+        lc = self.cfg.layers
+        b, p = prefill.prompts.shape
+        shape = (lc.num_layers, b, cache_size, lc.num_kv_heads, lc.head_dim)
+        dtype = dparams["fc"].dtype
+        state = DFlashState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        # Committed after prefill: the prompt (the first new token is the pending anchor).
+        return write_context(dparams, self.cfg, state, prefill.taps, positions, positions < prefill.prompt_len[:, None])
+
+    def logits(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
+        """Per-draft logits [B, g, V] for the block after each row's anchor."""
+        anchor_pos = ctx.length - 1
+        anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
+        hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos)
+        return target_head(ctx.target_params, self.target_cfg, draft_slots(hidden, self.cfg))
+
+    def propose(self, dparams, state: DFlashState, ctx: DraftContext):
+        logits = self.logits(dparams, state, ctx)
+        g = logits.shape[1]
+        if self.tree_budget:
+            tokens, parent, depth = jax.vmap(
+                lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(logits)
+            return Proposal(tokens, None, parent, depth), state
+        index = ctx.length[:, None] + jnp.arange(g)[None]  # draft i is written at length + i
+        drafts, logp = self.choose(logits, ctx.seeds, index)
+        return Proposal(drafts, logp if self.mode == SAMPLE else None), state
+
+    def commit(self, dparams, state: DFlashState, info: CommitInfo) -> DFlashState:
+        t = info.taps.shape[2]
+        positions = info.old_length[:, None] - 1 + jnp.arange(t)[None]
+        keep = positions < info.new_length[:, None] - 1
+        return write_context(dparams, self.cfg, state, info.taps, positions, keep)
+
+
+def validate_against_target(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
+    """Host-side agreement checks between a DFlash-style drafter and its target."""
+    lc = cfg.layers
+    problems = []
+    if lc.hidden_size != target_cfg.hidden_size:
+        problems.append(f"drafter hidden size {lc.hidden_size} != target hidden size {target_cfg.hidden_size}")
+    if lc.vocab_size != target_cfg.vocab_size:
+        problems.append(f"drafter vocabulary {lc.vocab_size} != target vocabulary {target_cfg.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {target_cfg.vocab_size})")
+    if cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != the target's {target_cfg.num_layers} layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers - 1]
+    if bad:
+        problems.append(
+            f"target_layer_ids {list(cfg.target_layer_ids)} include {bad}: tap ids must lie in [0, "
+            f"{target_cfg.num_layers - 2}] (never the last layer, whose HF output is post-norm)")
+    if cfg.block_size < 1 or (not cfg.anchor_predicts and cfg.block_size < 2):
+        problems.append(f"block_size {cfg.block_size} gives no drafts under this block convention")
+    if problems:
+        raise ValueError("drafter does not fit the target: " + "; ".join(problems))
