@@ -84,7 +84,9 @@ def default_cache_size(max_prompt: int, max_new_tokens: int, bucket: int = 64) -
 
 
 def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budget: int = 0):
-    """A drafter and its parameters from a name ("lookup") or an HF checkpoint directory (a small LM)."""
+    """A drafter and its parameters from a name ("lookup") or a checkpoint directory: a DFlash (z-lab) or
+    DSpark (DeepSpec) drafter, or a small HF causal LM sharing the target's tokenizer. For DFlash /
+    DSpark, block_size is the checkpoint's; tree_budget > 0 builds DDTree trees from its drafts."""
     from jspec.drafters.lm import SmallLM
     from jspec.drafters.lookup import PromptLookup
 
@@ -96,7 +98,19 @@ def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budg
         return PromptLookup(block_size=block_size, tree_budget=tree_budget, vocab_size=target.cfg.vocab_size), ()
     import os
 
+    from jspec.drafters.dflash import DFlash
+    from jspec.drafters.dspark import DSpark
+    from jspec.io import drafters as drafter_io
+
     if isinstance(spec_or_path, str) and os.path.isdir(spec_or_path):
+        fmt = drafter_io.drafter_format(drafter_io.read_config(spec_or_path))
+        dtype = target.params["embed"].dtype
+        if fmt == "dflash":
+            cfg, params = drafter_io.load_dflash(spec_or_path, dtype)
+            return DFlash(cfg=cfg, target_cfg=target.cfg, tree_budget=tree_budget), params
+        if fmt == "dspark":
+            cfg, params = drafter_io.load_dspark(spec_or_path, dtype)
+            return DSpark(spark=cfg, target_cfg=target.cfg, tree_budget=tree_budget), params
         if tree_budget:
             raise ValueError("the small-LM drafter drafts chains: drop --tree-budget or use --drafter lookup")
         small = load_target(spec_or_path, dtype=target.params["embed"].dtype)

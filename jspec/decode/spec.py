@@ -24,6 +24,7 @@ from jspec.decode import ar
 from jspec.drafters.base import GREEDY, GUMBEL, SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
+from jspec.verify import budget
 from jspec.verify.chain import CHAIN_RULES
 from jspec.verify.sampling import served_logprobs
 from jspec.verify.tree import TREE_RULES
@@ -35,8 +36,19 @@ DRAFT_MODE = {"greedy": GREEDY, "gumbel": GUMBEL, "speculative": SAMPLE, "block"
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
+    """decode: the shared decoding settings; verifier: a rule name in VERIFIERS.
+
+    sps: the non-anticipating verification budget (chains whose drafter reports confidences, e.g.
+    DSpark): sps[m] = profiled verify rounds per second with m draft tokens verified across the batch
+    (jspec.verify.budget). Each round then verifies only the chosen prefix of each row, and the verify
+    pass runs at the smallest width bucket (1, 2, 4, ..., g drafts) that covers the longest chosen
+    prefix: its cost shrinks with the budget, while rows with shorter prefixes stay padded to the bucket
+    (their extra rows are ignored by the rule and never committed).
+    """
+
     decode: ar.DecodeConfig
     verifier: str = "greedy"
+    sps: tuple[float, ...] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -83,27 +95,57 @@ def _report_logp(logits: jax.Array, logp: jax.Array, greedy: bool) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1) if greedy else logp
 
 
+def width_buckets(g: int) -> tuple[int, ...]:
+    """Draft counts a budgeted verify pass may run at: powers of two below g, and g."""
+    return tuple(sorted({1 << i for i in range(g.bit_length()) if (1 << i) < g} | {g}))
+
+
+def _verify_pass(params, cfg, drafter, core, vt):
+    """Target forward over vt [B, w+1] = [anchor, drafts] at positions length - 1 + i."""
+    positions = core.length[:, None] - 1 + jnp.arange(vt.shape[1])[None]
+    out = transformer.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps)
+    return transformer.logits(params, cfg, out.hidden), out.cache, out.taps
+
+
 def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     g = drafter.num_drafts
     b = anchor.shape[0]
     vt = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)
-    positions = core.length[:, None] - 1 + jnp.arange(g + 1)[None]
-    out = transformer.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps)
-    logits = transformer.logits(params, cfg, out.hidden)
+    lengths = None
+    if scfg.sps is not None and prop.confidence is not None:
+        lengths = budget.choose_verify_lengths(prop.confidence, jnp.asarray(scfg.sps, jnp.float32))
+        buckets = width_buckets(g)
+
+        def at_width(w):
+            def run(cache):
+                logits, cache, taps = _verify_pass(params, cfg, drafter, dataclasses.replace(core, cache=cache),
+                                                   vt[:, : w + 1])
+                pad = g - w  # rows past the bucket: never read, since every row's length <= w
+                logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
+                taps = None if taps is None else jnp.pad(taps, ((0, 0), (0, 0), (0, pad), (0, 0)))
+                return logits, cache, taps
+            return run
+
+        branch = jnp.searchsorted(jnp.asarray(buckets), jnp.max(lengths))
+        logits, cache, taps = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
+    else:
+        logits, cache, taps = _verify_pass(params, cfg, drafter, core, vt)
     logp = served_logprobs(logits, scfg.decode.sampling)
     rule = CHAIN_RULES[scfg.verifier]
     if scfg.verifier == "greedy":
-        res = jax.vmap(rule)(logp, prop.tokens)
+        res = jax.vmap(lambda lp, d, n: rule(lp, d, length=n))(logp, prop.tokens, lengths)
     elif scfg.verifier == "gumbel":
-        res = jax.vmap(rule)(logp, prop.tokens, core.seeds, core.length)
+        res = jax.vmap(lambda lp, d, s, p0, n: rule(lp, d, s, p0, length=n))(
+            logp, prop.tokens, core.seeds, core.length, lengths)
     else:
-        res = jax.vmap(rule)(logp, prop.tokens, prop.q_logp, core.seeds, core.length)
+        res = jax.vmap(lambda lp, d, q, s, p0, n: rule(lp, d, q, s, p0, length=n))(
+            logp, prop.tokens, prop.q_logp, core.seeds, core.length, lengths)
     i = jnp.arange(g + 1)[None]
     drafts = jnp.concatenate([prop.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
     report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
     emitted_logp = jnp.take_along_axis(report, emitted[..., None], axis=-1)[..., 0]
-    return res.n, emitted, emitted_logp, out.cache, out.taps
+    return res.n, emitted, emitted_logp, cache, taps
 
 
 def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):

@@ -44,6 +44,7 @@ class Proposal:
     q_logp: jax.Array | None = None
     parent: jax.Array | None = None
     depth: jax.Array | None = None
+    confidence: jax.Array | None = None  # chain [B, g]: P(draft k accepted | drafts < k accepted), if known
 
 
 @jax.tree_util.register_dataclass

@@ -105,16 +105,19 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
 
 
 def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                anchor: jax.Array, anchor_pos: jax.Array) -> jax.Array:
+                anchor: jax.Array, anchor_pos: jax.Array, block_tokens: jax.Array | None = None) -> jax.Array:
     """Final-normed hidden states [B, W, H] of the block [anchor, mask x (W - 1)], W = block_size.
 
     ctx_k, ctx_v [Ld, B, S, Hkv, Dh]: context rows < anchor_pos are visible (committed features
     strictly before the anchor); rows at or after it are masked and zeroed, whatever they hold.
+    block_tokens [B, W] overrides the block's input tokens (default: anchor then mask tokens).
     """
     lc = cfg.layers
     w = cfg.block_size
     b = anchor.shape[0]
-    tokens = jnp.concatenate([anchor[:, None], jnp.full((b, w - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+    tokens = block_tokens
+    if tokens is None:
+        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, w - 1), cfg.mask_token_id, jnp.int32)], axis=1)
     h = embed[tokens]
     positions = anchor_pos[:, None] + jnp.arange(w)[None]
     inv_freq = jnp.asarray(default_rope_inv_freq(lc))

@@ -52,8 +52,8 @@ _TOP_TENSORS = {
 }
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | None, bool]]:
-    """HF name -> (HF shape, jspec key, layer index or None, transpose)."""
+def expected_tensors(cfg: ModelConfig) -> dict:
+    """HF name -> (HF shape, jspec key path, layer index or None, transpose)."""
     shapes = param_shapes(cfg)
     out = {}
     for key, shape in shapes.items():
@@ -61,11 +61,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, 
             continue
         name, tr = _TOP_TENSORS[key]
         out[name] = (tuple(reversed(shape)) if tr else shape, key, None, tr)
-    for key, shape in shapes["layers"].items():
-        name, tr = _LAYER_TENSORS[key]
-        per = shape[1:]
-        for i in range(cfg.num_layers):
-            out[f"model.layers.{i}.{name}"] = (tuple(reversed(per)) if tr else per, key, i, tr)
+    for name, (shape, key, layer, tr) in layer_tensor_names(shapes["layers"], cfg.num_layers, "model.layers.").items():
+        out[name] = (shape, ("layers", key), layer, tr)
     return out
 
 
@@ -88,63 +85,107 @@ def _safetensor_files(model_dir: str) -> list[str]:
     )
 
 
-def load_params(model_dir: str, cfg: ModelConfig | None = None, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """Load `config.json` + safetensors into a jspec parameter pytree of `dtype` (float32 or bfloat16)."""
-    cfg = cfg or load_config(model_dir)
-    expected = expected_tensors(cfg)
-    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
+    """Every tensor of a directory's model.safetensors (or its sharded index), as numpy arrays."""
     found: dict[str, np.ndarray] = {}
     for path in _safetensor_files(model_dir):
         with safe_open(path, framework="numpy") as f:
             for name in f.keys():
                 found[name] = f.get_tensor(name)
-    unexpected = sorted(n for n in found if n not in expected)
-    if cfg.tie_word_embeddings:
-        # Some tied checkpoints also store lm_head.weight as a copy of the embedding; accept only that.
-        if "lm_head.weight" in unexpected and np.array_equal(
-            np.asarray(found["lm_head.weight"]), np.asarray(found.get("model.embed_tokens.weight"))
-        ):
-            unexpected.remove("lm_head.weight")
+    return found
+
+
+def check_tensors(found: dict, expected: dict[str, tuple[int, ...]], where: str, fix: str,
+                  allowed_extra: set[str] = frozenset()) -> None:
+    """One CheckpointError naming every missing, unexpected and misshapen tensor (no partial loads)."""
+    unexpected = sorted(n for n in found if n not in expected and n not in allowed_extra)
     missing = sorted(n for n in expected if n not in found)
     misshapen = sorted(
-        f"{n}: checkpoint {tuple(found[n].shape)} vs config {expected[n][0]}"
+        f"{n}: checkpoint {tuple(found[n].shape)} vs config {tuple(expected[n])}"
         for n in expected
-        if n in found and tuple(found[n].shape) != expected[n][0]
+        if n in found and tuple(found[n].shape) != tuple(expected[n])
     )
     if missing or unexpected or misshapen:
-        lines = [f"checkpoint {model_dir!r} does not match its config ({cfg.family}, {cfg.num_layers} layers):"]
+        lines = [f"{where} does not match its config:"]
         if missing:
             lines.append(f"  missing tensors ({len(missing)}): {', '.join(missing)}")
         if unexpected:
             lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
         if misshapen:
             lines.append(f"  misshapen tensors ({len(misshapen)}): {'; '.join(misshapen)}")
-        lines.append("  fix: point --target at the matching checkpoint, or correct config.json")
+        lines.append(f"  fix: {fix}")
         raise CheckpointError("\n".join(lines))
 
-    shapes = param_shapes(cfg)
-    host = {k: np.empty(s, np_dtype) for k, s in shapes.items() if k != "layers"}
-    host["layers"] = {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}
-    for name, (_, key, layer, tr) in expected.items():
+
+def np_dtype(dtype):
+    return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+
+
+def layer_tensor_names(shapes: dict, num_layers: int, prefix: str) -> dict:
+    """HF name -> (HF shape, jspec per-layer key, layer, transpose) for a stacked layer dict."""
+    out = {}
+    for key, shape in shapes.items():
+        name, tr = _LAYER_TENSORS[key]
+        per = shape[1:]
+        for i in range(num_layers):
+            out[f"{prefix}{i}.{name}"] = (tuple(reversed(per)) if tr else per, key, i, tr)
+    return out
+
+
+def assemble(found: dict, expected: dict, shapes: dict, dtype) -> dict:
+    """Build a jspec param pytree from HF tensors; `expected` maps HF name -> (shape, path, layer, transpose)
+    where path is a key or a tuple of nested keys."""
+    dt = np_dtype(dtype)
+    host = jax.tree_util.tree_map(lambda s: np.empty(s, dt), shapes, is_leaf=lambda s: isinstance(s, tuple))
+    for name, (_, path, layer, tr) in expected.items():
+        keys = path if isinstance(path, tuple) else (path,)
+        node = host
+        for k in keys[:-1]:
+            node = node[k]
         arr = np.asarray(found[name])
-        arr = arr.T if tr else arr
+        arr = (arr.T if tr else arr).astype(dt)
         if layer is None:
-            host[key][...] = arr.astype(np_dtype)
+            node[keys[-1]][...] = arr
         else:
-            host["layers"][key][layer] = arr.astype(np_dtype)
-    return cfg, jax.tree_util.tree_map(jnp.asarray, host)
+            node[keys[-1]][layer] = arr
+    return jax.tree_util.tree_map(jnp.asarray, host)
+
+
+def export_tensors(params: dict, expected: dict, dtype=None) -> dict[str, np.ndarray]:
+    """HF name -> numpy array ([out, in] matrices) from a jspec param pytree (inverse of `assemble`)."""
+    tensors = {}
+    for name, (_, path, layer, tr) in expected.items():
+        node = params
+        for k in path if isinstance(path, tuple) else (path,):
+            node = node[k]
+        arr = np.asarray(jax.device_get(node if layer is None else node[layer]))
+        if dtype is not None:
+            arr = arr.astype(np_dtype(dtype))
+        tensors[name] = np.ascontiguousarray(arr.T if tr else arr)
+    return tensors
+
+
+def load_params(model_dir: str, cfg: ModelConfig | None = None, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    """Load `config.json` + safetensors into a jspec parameter pytree of `dtype` (float32 or bfloat16)."""
+    cfg = cfg or load_config(model_dir)
+    expected = expected_tensors(cfg)
+    found = read_safetensors(model_dir)
+    allowed = set()
+    # Some tied checkpoints also store lm_head.weight as a copy of the embedding; accept only that.
+    if cfg.tie_word_embeddings and "lm_head.weight" in found and np.array_equal(
+        np.asarray(found["lm_head.weight"]), np.asarray(found.get("model.embed_tokens.weight"))
+    ):
+        allowed.add("lm_head.weight")
+    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"checkpoint {model_dir!r} ({cfg.family}, "
+                  f"{cfg.num_layers} layers)", "point --target at the matching checkpoint, or correct config.json",
+                  allowed)
+    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
 
 
 def save_params(model_dir: str, cfg: ModelConfig, params: dict, dtype=None, extra_config: dict | None = None) -> None:
     """Write `config.json` + `model.safetensors` that transformers loads as LlamaForCausalLM/Qwen3ForCausalLM."""
     os.makedirs(model_dir, exist_ok=True)
-    tensors = {}
-    for name, (_, key, layer, tr) in expected_tensors(cfg).items():
-        arr = params[key] if layer is None else params["layers"][key][layer]
-        arr = np.asarray(jax.device_get(arr))
-        if dtype is not None:
-            arr = arr.astype(ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype)
-        tensors[name] = np.ascontiguousarray(arr.T if tr else arr)
+    tensors = export_tensors(params, expected_tensors(cfg), dtype)
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["dtype"] = "bfloat16" if tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16 else "float32"

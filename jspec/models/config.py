@@ -44,7 +44,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"; () = all full
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 4096
@@ -59,9 +59,9 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})"
             )
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
+        if all(t == "full_attention" for t in self.layer_types):
+            object.__setattr__(self, "layer_types", ())  # canonical form: () = every layer full attention
+        if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_layers}"
             )
@@ -74,7 +74,11 @@ class ModelConfig:
     @property
     def windows(self) -> tuple[int, ...]:
         """Attention window per layer; 0 means full attention."""
-        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.all_layer_types)
+
+    @property
+    def all_layer_types(self) -> tuple[str, ...]:
+        return self.layer_types or ("full_attention",) * self.num_layers
 
     @property
     def num_params(self) -> int:
@@ -193,7 +197,7 @@ class ModelConfig:
         else:
             sliding = "sliding_attention" in self.layer_types
             out.update(use_sliding_window=sliding, sliding_window=self.sliding_window,
-                       layer_types=list(self.layer_types), max_window_layers=self.num_layers)
+                       layer_types=list(self.all_layer_types), max_window_layers=self.num_layers)
         return out
 
 

@@ -1,0 +1,52 @@
+"""Profiling the verify pass: the cost curve T(n) and the steps-per-second table of the DSpark budget."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models import transformer
+from jspec.models.config import ModelConfig
+
+INNER = 32  # passes per timed call, inside one compiled loop, so dispatch cost is not counted
+
+
+def verify_pass_seconds(params, cfg: ModelConfig, batch: int, drafts: int, context: int, cache_size: int,
+                        repeats: int = 5) -> float:
+    """Median seconds of one target verify pass over [anchor, `drafts` tokens] per row, `context` rows cached."""
+    width = drafts + 1
+    cache = transformer.KVCache.zeros(cfg, batch, cache_size, params["embed"].dtype)
+    pos = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
+
+    def step(_, carry):  # each pass verifies the previous pass's argmax, so nothing is dead code
+        cache, tokens = carry
+        out = transformer.forward(params, cfg, tokens, pos, cache)
+        return out.cache, jnp.argmax(transformer.logits(params, cfg, out.hidden), axis=-1).astype(jnp.int32)
+
+    run = jax.jit(lambda c, t: jax.lax.fori_loop(0, INNER, step, (c, t))[1])
+    tokens = jnp.zeros((batch, width), jnp.int32)
+    run(cache, tokens).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(cache, tokens).block_until_ready()
+        times.append((time.perf_counter() - t0) / INNER)
+    return statistics.median(times)
+
+
+def sps_table(seconds_by_drafts: dict[int, float], batch: int, g: int) -> tuple[float, ...]:
+    """sps[m], m = 0..batch*g: verify rounds per second with m draft tokens across the batch.
+
+    The compiled verify pass is padded to the widest row, so m tokens cost at least a pass of
+    ceil(m / batch) drafts per row, rounded up to the next profiled width (an estimate for batch > 1).
+    """
+    widths = sorted(seconds_by_drafts)
+    table = []
+    for m in range(batch * g + 1):
+        need = -(-m // batch)
+        w = next((w for w in widths if w >= need), widths[-1])
+        table.append(1.0 / seconds_by_drafts[w])
+    return tuple(table)
