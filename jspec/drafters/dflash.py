@@ -54,6 +54,10 @@ class DFlashConfig:
     block_size: int = 16
     anchor_predicts: bool = False
 
+    def __post_init__(self):
+        # Token-level settings of the layer stack's config do not apply to a drafter's layers.
+        object.__setattr__(self, "layers", dataclasses.replace(self.layers, eos_token_ids=(), bos_token_id=None))
+
     @property
     def num_drafts(self) -> int:
         return self.block_size if self.anchor_predicts else self.block_size - 1
