@@ -118,17 +118,43 @@ class Drafter(abc.ABC):
         return state
 
     # Helper shared by drafters that hold a distribution: choose a token the way `mode` says.
-    def choose(self, logits: jax.Array, seeds: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Token [B] at absolute indices [B] and the served log-probs [B, V] it was drawn from."""
+    def choose(self, logits: jax.Array, seeds: jax.Array, index: jax.Array,
+               round_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Token [...] for logits [..., V] at absolute indices [...] (seeds [B] broadcast over the
+        trailing dims) and the served log-probs [..., V] it was drawn from. round_start [B] is the index
+        of the round's first draft."""
         logp = served_logprobs(logits, self.sampling)
         vocab = logits.shape[-1]
         if self.mode == GREEDY:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         elif self.mode == GUMBEL:  # the target's own noise: coupling makes agreement likely
             token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
-        else:  # independent noise: an honest sample from q
-            token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.DRAFT, vocab))
+        else:
+            token = gumbel_argmax(logp, draft_noise(seeds, index, round_start, vocab))
         return token, logp
+
+
+def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, vocab: int) -> jax.Array:
+    """A sampling drafter's own Gumbel noise [..., V] at absolute indices, fresh in every round.
+
+    Keyed by (seed, index, DRAFT) and folded by the offset index - round_start. Block verification
+    reads drafts past the accepted prefix, so the drafts it discards are correlated with the text it
+    commits; redrawing those indices next round with the same noise would bias the output. Two rounds
+    never start at the same index, so the offset makes each round's draws new.
+    """
+    index = jnp.asarray(index)
+    extra = index.ndim - jnp.ndim(seeds)
+    seeds_b = jnp.broadcast_to(jnp.reshape(seeds, jnp.shape(seeds) + (1,) * extra), index.shape)
+    start_b = jnp.broadcast_to(jnp.reshape(round_start, jnp.shape(round_start) + (1,) * extra), index.shape)
+
+    def one(s, i, r):
+        key = jax.random.fold_in(noise.position_key(s, i, noise.DRAFT), jnp.asarray(i - r, jnp.uint32))
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    fn = one
+    for _ in range(index.ndim):
+        fn = jax.vmap(fn)
+    return fn(seeds_b, index, start_b)
 
 
 REGISTRY: dict[str, type[Drafter]] = {}

@@ -235,7 +235,7 @@ class DFlash(Drafter):
                 lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(logits)
             return Proposal(tokens, None, parent, depth), state
         index = ctx.length[:, None] + jnp.arange(g)[None]  # draft i is written at length + i
-        drafts, logp = self.choose(logits, ctx.seeds, index)
+        drafts, logp = self.choose(logits, ctx.seeds, index, ctx.length)
         return Proposal(drafts, logp if self.mode == SAMPLE else None), state
 
     def commit(self, dparams, state: DFlashState, info: CommitInfo) -> DFlashState:

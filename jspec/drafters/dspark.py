@@ -140,7 +140,7 @@ class DSpark(DFlash):
             if cfg.markov_rank:
                 bias, e, s = markov_bias(dparams, cfg, h, prev, s)
                 logits = logits + bias
-            token, logp = self.choose(logits, ctx.seeds, ctx.length + k)
+            token, logp = self.choose(logits, ctx.seeds, ctx.length + k, ctx.length)
             conf = confidence(dparams, cfg, h, e) if cfg.confidence_head else jnp.ones((b,), jnp.float32)
             return (token, s), (token, logp if self.mode == SAMPLE else None, conf)
 

@@ -48,13 +48,15 @@ class SmallLM(Drafter):
         pos = jnp.stack([length - 2, length - 1], axis=1)
         toks = jnp.take_along_axis(ctx.tokens, pos, axis=1)
         out = transformer.forward(dparams, self.cfg, toks, pos, cache)
-        first, first_logp = self.choose(transformer.logits(dparams, self.cfg, out.hidden[:, 1]), ctx.seeds, length)
+        first, first_logp = self.choose(transformer.logits(dparams, self.cfg, out.hidden[:, 1]), ctx.seeds, length,
+                                       length)
 
         def step(carry, i):
             cache, token = carry
             p = (length + i)[:, None]
             o = transformer.forward(dparams, self.cfg, token[:, None], p - 1, cache)
-            nxt, logp = self.choose(transformer.logits(dparams, self.cfg, o.hidden[:, 0]), ctx.seeds, length + i)
+            nxt, logp = self.choose(transformer.logits(dparams, self.cfg, o.hidden[:, 0]), ctx.seeds, length + i,
+                                    length)
             return (o.cache, nxt), (nxt, logp if self.mode == SAMPLE else None)
 
         (cache, _), (rest, rest_logp) = jax.lax.scan(step, (out.cache, first), jnp.arange(1, self.block_size))
