@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
 
+    tr = sub.add_parser("train", help="train the target LM or a drafter from a config")
+    tr.add_argument("what", choices=["target"], help="what to train")
+    tr.add_argument("--config", required=True, help="training config JSON (see configs/)")
+    tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, model/)")
+    tr.add_argument("--steps", type=int, default=None, help="stop at this step (default: the config's)")
+    tr.add_argument("--no-progress", action="store_true")
+
     demo = sub.add_parser("demo", help="create a small random model in HF format, reload it and generate")
     demo.add_argument("--out", default="demo_out/model", help="where to write the demo checkpoint")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -79,6 +86,14 @@ def cmd_generate(args) -> int:
         print(text if text is not None else " ".join(map(str, res.tokens[0])))
         print(f"[{res.stats['new_tokens']} tokens in {res.stats['wall_s']:.3f} s (compile included), "
               f"{res.stats['rounds']} rounds, tau {res.stats['tau']:.2f}]", file=sys.stderr)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from jspec.train import lm
+
+    model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress)
+    print(f"trained model written to {model_dir}")
     return 0
 
 
@@ -111,7 +126,7 @@ def cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)
+        return {"generate": cmd_generate, "train": cmd_train, "demo": cmd_demo}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"jspec: error: {err}", file=sys.stderr)
         return 2

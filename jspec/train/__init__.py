@@ -1,0 +1,1 @@
+"""Training: TFDS/grain data, losses, the trainer, checkpoints."""

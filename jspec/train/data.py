@@ -1,0 +1,118 @@
+"""Text corpora as TFDS datasets (array_record, no TensorFlow) and grain pipelines of packed sequences.
+
+A corpus is a folder of text files (e.g. the Python standard library's source). The split is by
+file: a file's validation membership is a hash of its relative path, so it never changes when files
+are added. Sequences are packed: documents are tokenized, joined with the end-of-text token and cut
+into fixed-length windows; a grain MapDataset shuffles them with a fixed seed and batches them, and
+batch i is a pure function of (seed, i), which is what makes resuming exact.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+VALIDATION_FRACTION = 0.05
+
+
+def stdlib_dir() -> str:
+    """The interpreter's standard-library source folder: a real code corpus on every machine."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def corpus_files(root: str, pattern: str = "**/*.py", exclude: tuple[str, ...] = ("test", "site-packages",
+                                                                                       "idlelib", "lib2to3", "encodings")) -> list[str]:
+    """Sorted files under root matching pattern, skipping paths with an excluded component."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"corpus folder {root!r} does not exist: pass a folder of text files")
+    files = []
+    for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+        parts = os.path.relpath(path, root).split(os.sep)
+        if not any(p.startswith(e) for p in parts[:-1] for e in exclude) and os.path.isfile(path):
+            files.append(path)
+    if not files:
+        raise ValueError(f"corpus folder {root!r} has no files matching {pattern!r}: nothing to train on")
+    return files
+
+
+def is_validation(rel_path: str, fraction: float = VALIDATION_FRACTION) -> bool:
+    h = int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < fraction
+
+
+def split_files(root: str, files: list[str]) -> dict[str, list[str]]:
+    out = {"train": [], "validation": []}
+    for f in files:
+        out["validation" if is_validation(os.path.relpath(f, root)) else "train"].append(f)
+    if not out["train"] or not out["validation"]:
+        raise ValueError(f"corpus {root!r} has {len(files)} files: too few for a train/validation split by file")
+    return out
+
+
+class TextCorpus(tfds.core.GeneratorBasedBuilder):
+    """Local text files -> {'path', 'text'} examples, split by file into train / validation."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, corpus_root: str | None = None, pattern: str = "**/*.py", **kwargs):
+        self._corpus_root = corpus_root
+        self._pattern = pattern
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Text files of a local folder, split by file.",
+            features=tfds.features.FeaturesDict({"path": tfds.features.Text(), "text": tfds.features.Text()}),
+        )
+
+    def _split_generators(self, dl_manager):
+        splits = split_files(self._corpus_root, corpus_files(self._corpus_root, self._pattern))
+        return {name: self._generate_examples(files) for name, files in splits.items()}
+
+    def _generate_examples(self, files):
+        for path in files:
+            rel = os.path.relpath(path, self._corpus_root)
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield rel, {"path": rel, "text": f.read()}
+
+
+def build_corpus(corpus_root: str, data_dir: str, pattern: str = "**/*.py") -> str:
+    """Prepare the corpus as an array_record TFDS dataset under data_dir; returns its directory."""
+    builder = TextCorpus(corpus_root=corpus_root, pattern=pattern, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
+    return builder.data_dir
+
+
+def read_split(dataset_dir: str, split: str) -> list[dict]:
+    """All examples of a prepared split, in the dataset's order."""
+    source = tfds.builder_from_directory(dataset_dir).as_data_source(split=split)
+    out = []
+    for i in range(len(source)):
+        ex = source[i]
+        out.append({k: (v.decode() if isinstance(v, bytes) else v) for k, v in ex.items()})
+    return out
+
+
+def pack_tokens(docs: list[list[int]], seq_len: int, eos_id: int) -> np.ndarray:
+    """Join documents with EOS and cut into [N, seq_len + 1] windows (input + next-token label)."""
+    stream = np.concatenate([np.asarray(d + [eos_id], np.int32) for d in docs])
+    n = (len(stream) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"corpus has {len(stream)} tokens: not enough for one sequence of {seq_len + 1}")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None]
+    return stream[idx]
+
+
+def batches(windows: np.ndarray, batch_size: int, seed: int) -> grain.MapDataset:
+    """Shuffled (fixed seed), repeated, batched windows; element i is batch i (random access)."""
+    if len(windows) < batch_size:
+        raise ValueError(f"{len(windows)} sequences are fewer than one batch of {batch_size}")
+    ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    return ds.batch(batch_size, drop_remainder=True)
