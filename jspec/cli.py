@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
 
     tr = sub.add_parser("train", help="train the target LM or a drafter from a config")
-    tr.add_argument("what", choices=["target"], help="what to train")
+    tr.add_argument("what", choices=["target", "dflash", "dspark"], help="what to train")
+    tr.add_argument("--target", help="the target model directory (drafters)")
     tr.add_argument("--config", required=True, help="training config JSON (see configs/)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, model/)")
     tr.add_argument("--steps", type=int, default=None, help="stop at this step (default: the config's)")
@@ -90,9 +91,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from jspec.train import lm
+    if args.what == "target":
+        from jspec.train import lm
 
-    model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress)
+        model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress)
+    else:
+        from jspec.train import distill
+
+        if not args.target:
+            raise ValueError(f"training a {args.what} drafter needs --target PATH (the trained target model)")
+        model_dir = distill.train_drafter(args.what, args.config, args.target, args.out, steps=args.steps,
+                                          progress=not args.no_progress)
     print(f"trained model written to {model_dir}")
     return 0
 

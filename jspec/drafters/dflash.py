@@ -108,54 +108,70 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
     return jax.lax.map(one, params["layers"])
 
 
-def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                anchor: jax.Array, anchor_pos: jax.Array, block_tokens: jax.Array | None = None) -> jax.Array:
-    """Final-normed hidden states [B, W, H] of the block [anchor, mask x (W - 1)], W = block_size.
+def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                 anchor_pos: jax.Array, block_tokens: jax.Array) -> jax.Array:
+    """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
-    ctx_k, ctx_v [Ld, B, S, Hkv, Dh]: context rows < anchor_pos are visible (committed features
-    strictly before the anchor); rows at or after it are masked and zeroed, whatever they hold.
-    block_tokens [B, W] overrides the block's input tokens (default: anchor then mask tokens).
+    block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
+    ctx_k, ctx_v [Ld, B, S, Hkv, Dh]: context rows (positions = row index). Block a sees context rows
+    strictly before its anchor (sliding layers: and j >= anchor + i - (W_s - 1) for slot i) and its
+    own block, bidirectionally; never another block. Rows no block may see are zeroed, so whatever
+    they hold (rejected or unwritten memory) cannot leak.
     """
     lc = cfg.layers
-    w = cfg.block_size
-    b = anchor.shape[0]
-    tokens = block_tokens
-    if tokens is None:
-        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, w - 1), cfg.mask_token_id, jnp.int32)], axis=1)
-    h = embed[tokens]
-    positions = anchor_pos[:, None] + jnp.arange(w)[None]
+    b, a, w = block_tokens.shape
+    h = embed[block_tokens].reshape(b, a * w, -1)
+    positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
     inv_freq = jnp.asarray(default_rope_inv_freq(lc))
     s = ctx_k.shape[2]
     rows = jnp.arange(s)
-    visible = rows[None, :] < anchor_pos[:, None]  # [B, S]
+    q_anchor = jnp.repeat(anchor_pos, w, axis=1)  # [B, A*W] each query's anchor
+    visible = rows[None, None, :] < q_anchor[:, :, None]  # [B, A*W, S]
+    any_visible = rows[None, :] < jnp.max(anchor_pos, axis=1)[:, None]  # [B, S]
+    group = jnp.repeat(jnp.arange(a), w)
+    same_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * w, a * w))
     windows = jnp.asarray(lc.windows, jnp.int32)
     hq, hkv, dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
+    t = a * w
 
     def layer(h, xs):
         lp, kc, vc, window = xs
         x = transformer.rms_norm(h, lp["attn_norm"], lc.rms_norm_eps)
-        q = (x @ lp["wq"]).reshape(b, w, hq, dh)
-        kb = (x @ lp["wk"]).reshape(b, w, hkv, dh)
-        vb = (x @ lp["wv"]).reshape(b, w, hkv, dh)
+        q = (x @ lp["wq"]).reshape(b, t, hq, dh)
+        kb = (x @ lp["wk"]).reshape(b, t, hkv, dh)
+        vb = (x @ lp["wv"]).reshape(b, t, hkv, dh)
         q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], lc.rms_norm_eps), positions, inv_freq)
         kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
-        # Sliding layers: context key j is visible to block slot i iff j >= anchor + i - (W - 1).
         in_window = rows[None, None, :] >= positions[:, :, None] - (window - 1)
-        ctx_mask = visible[:, None, :] & ((window == 0) | in_window)  # [B, W, S]
-        keys = jnp.concatenate([jnp.where(visible[:, :, None, None], kc, 0), kb], axis=1)
-        vals = jnp.concatenate([jnp.where(visible[:, :, None, None], vc, 0), vb], axis=1)
-        mask = jnp.concatenate([ctx_mask, jnp.ones((b, w, w), bool)], axis=2)  # bidirectional in the block
-        qg = q.reshape(b, w, hkv, hq // hkv, dh)
+        ctx_mask = visible & ((window == 0) | in_window)
+        keys = jnp.concatenate([jnp.where(any_visible[:, :, None, None], kc, 0), kb], axis=1)
+        vals = jnp.concatenate([jnp.where(any_visible[:, :, None, None], vc, 0), vb], axis=1)
+        mask = jnp.concatenate([ctx_mask, same_block], axis=2)
+        qg = q.reshape(b, t, hkv, hq // hkv, dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
         probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, w, hq * dh)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, t, hq * dh)
         h = h + attn @ lp["wo"]
         x = transformer.rms_norm(h, lp["mlp_norm"], lc.rms_norm_eps)
         h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
         return h, None
 
     h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v, windows))
-    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
+    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps).reshape(b, a, w, -1)
+
+
+def block_inputs(cfg: DFlashConfig, anchor_tokens: jax.Array) -> jax.Array:
+    """[..., W] block inputs: the anchor token, then mask tokens."""
+    masks = jnp.full(anchor_tokens.shape + (cfg.block_size - 1,), cfg.mask_token_id, jnp.int32)
+    return jnp.concatenate([anchor_tokens[..., None], masks], axis=-1)
+
+
+def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                anchor: jax.Array, anchor_pos: jax.Array, block_tokens: jax.Array | None = None) -> jax.Array:
+    """Hidden states [B, W, H] of one block per row (inference): anchor [B], anchor_pos [B];
+    block_tokens [B, W] overrides the default [anchor, mask x (W - 1)]."""
+    tokens = block_inputs(cfg, anchor) if block_tokens is None else block_tokens
+    return draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor_pos[:, None], tokens[:, None])[:, 0]
 
 
 def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:

@@ -116,3 +116,59 @@ def batches(windows: np.ndarray, batch_size: int, seed: int) -> grain.MapDataset
         raise ValueError(f"{len(windows)} sequences are fewer than one batch of {batch_size}")
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
     return ds.batch(batch_size, drop_remainder=True)
+
+
+class TokenSequences(tfds.core.GeneratorBasedBuilder):
+    """Token sequences (e.g. prompts with the target's own responses) from .npz files with arrays
+    `tokens` [N, T] int32, `length` [N] and `prompt_len` [N]; one split per file."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, splits: dict[str, str] | None = None, **kwargs):
+        self._splits = splits or {}
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Token sequences with their prompt lengths.",
+            features=tfds.features.FeaturesDict({
+                "tokens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+                "prompt_len": tfds.features.Scalar(dtype=np.int32),
+            }),
+        )
+
+    def _split_generators(self, dl_manager):
+        return {name: self._generate_examples(path) for name, path in self._splits.items()}
+
+    def _generate_examples(self, path):
+        arrays = np.load(path)
+        for i, (toks, n, p) in enumerate(zip(arrays["tokens"], arrays["length"], arrays["prompt_len"])):
+            yield i, {"tokens": toks[:n].astype(np.int32), "prompt_len": np.int32(p)}
+
+
+def build_token_dataset(splits: dict[str, str], data_dir: str) -> str:
+    builder = TokenSequences(splits=splits, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
+    return builder.data_dir
+
+
+def padded_examples(examples: list[dict], seq_len: int) -> dict[str, np.ndarray]:
+    """tokens [N, seq_len] (cut or zero-padded) and loss_mask [N, seq_len] (1 on response tokens)."""
+    n = len(examples)
+    tokens = np.zeros((n, seq_len), np.int32)
+    mask = np.zeros((n, seq_len), np.float32)
+    for i, ex in enumerate(examples):
+        t = np.asarray(ex["tokens"])[:seq_len]
+        tokens[i, : len(t)] = t
+        mask[i, int(ex["prompt_len"]) : len(t)] = 1.0
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def dict_batches(arrays: dict[str, np.ndarray], batch_size: int, seed: int) -> grain.MapDataset:
+    """Like `batches` for a dict of equal-length arrays; element i is batch i with its step index."""
+    n = len(next(iter(arrays.values())))
+    if n < batch_size:
+        raise ValueError(f"{n} sequences are fewer than one batch of {batch_size}")
+    ds = grain.MapDataset.range(n).shuffle(seed=seed).repeat().map(lambda i: {k: v[i] for k, v in arrays.items()})
+    return ds.batch(batch_size, drop_remainder=True)
