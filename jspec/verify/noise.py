@@ -3,6 +3,10 @@
 Never key by round number, batch slot or row order: a row's random stream must not depend on how
 its tokens were grouped into rounds or on which other requests share its batch. This is what makes
 Gumbel-coupled speculative decoding drafter-invariant and the output batch-invariant.
+
+`indexed_uniform` and `round_gumbel` fold one more index into the key (a sibling rank, or the offset
+from the round start) for draws that a rule reads past the committed prefix: such a draw must never
+be met again by a later round.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ ACCEPT = 1  # uniform coin of an accept/reject test for the token at a position
 RESIDUAL = 2  # noise for sampling a correction token from a residual at a position
 DRAFT = 3  # a drafter's own sampling noise at a position (independent of the target's)
 TREE_ACCEPT = 4  # per-child coins in tree verification (further folded by sibling index)
+BLOCK_ACCEPT = 5  # block-verification coin of a draft token (further folded by its offset in the round)
 
 
 def position_key(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
@@ -52,3 +57,43 @@ def uniform(seed: jax.Array, positions: jax.Array, purpose: int, shape: tuple[in
     for _ in range(positions.ndim):
         draw = jax.vmap(draw)
     return draw(keys)
+
+
+def indexed_uniform(seed: jax.Array, position: jax.Array, purpose: int, index: jax.Array) -> jax.Array:
+    """One uniform [0, 1) float32 keyed by (seed, position, purpose) and further folded by `index`.
+
+    `index` separates several coins that belong to one position (siblings of a tree node) or keeps a
+    rule that reads coins past its accepted prefix (block verification) from reusing them in the next
+    round. seed, position, index: int32 scalars (vmap for more).
+    """
+    key = jax.random.fold_in(position_key(seed, position, purpose), jnp.asarray(index, jnp.uint32))
+    return jax.random.uniform(key, (), jnp.float32)
+
+
+def round_gumbel(seed: jax.Array, pos0: jax.Array, count: int, purpose: int, vocab: int) -> jax.Array:
+    """Gumbel noise [*pos0.shape, count, vocab] for indices pos0 .. pos0 + count - 1, fresh every round.
+
+    Row i is keyed by (seed, pos0 + i, purpose) folded by the offset i, so two rounds that start at
+    different indices never share a draw. seed broadcasts against pos0 (e.g. both [B]). A sampling
+    drafter whose drafts are checked by block verification must draw with this (or anything else
+    keyed by the round start): block verification decides the accepted length from the whole draft,
+    so the discarded drafts are correlated with the committed text, and redrawing those indices with
+    the same noise next round would bias the output. Token-wise and tree sampling read no draft past
+    the emitted index, so position-keyed noise is fine for them. (Gumbel coupling must instead use
+    `gumbel(seed, t, GUMBEL, V)`, the plain sampler's noise.)
+    """
+    offsets = jnp.arange(count, dtype=jnp.int32)
+
+    def one_row(s, p):
+        def draw(t, i):
+            key = jax.random.fold_in(position_key(s, t, purpose), jnp.asarray(i, jnp.uint32))
+            return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+        return jax.vmap(draw)(jnp.asarray(p, jnp.int32) + offsets, offsets)
+
+    pos0 = jnp.asarray(pos0)
+    seed = jnp.broadcast_to(jnp.asarray(seed), pos0.shape)
+    fn = one_row
+    for _ in range(pos0.ndim):
+        fn = jax.vmap(fn)
+    return fn(seed, pos0)

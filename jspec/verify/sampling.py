@@ -59,13 +59,20 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     if params.top_p < 1.0:
         # Keep a token if the mass of the tokens strictly more likely than it is < top_p; ties with
         # the boundary token are kept together (order-free, so the result is deterministic).
-        sorted_desc = -jnp.sort(-logp, axis=-1)
+        # Every comparison happens in sorted order and is mapped back by index: under jit, XLA may
+        # recompute log_softmax inside another fusion with different rounding, so comparing it to a
+        # threshold taken from the sorted copy can drop every token (NaN row).
+        index = jnp.broadcast_to(jnp.arange(vocab), logp.shape)
+        neg_sorted, order = jax.lax.sort_key_val(-logp, index, dimension=-1)
+        sorted_desc = -neg_sorted
         probs_sorted = jnp.exp(sorted_desc)
         mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
         keep_sorted = mass_before < params.top_p
         # Smallest kept log-prob is the threshold.
         threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logp >= threshold, logits, -jnp.inf)
+        keep_sorted = sorted_desc >= threshold
+        keep = jax.lax.sort_key_val(order, keep_sorted, dimension=-1)[1]
+        logits = jnp.where(keep, logits, -jnp.inf)
         logp = jax.nn.log_softmax(logits, axis=-1)
     return logp
 
