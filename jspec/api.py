@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 
@@ -36,8 +37,26 @@ class Target:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
 
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
+
+
+def resolve_path(path: str) -> str:
+    """'builtin:NAME' -> the shipped model folder jspec/builtin/NAME; other paths unchanged."""
+    if not path.startswith("builtin:"):
+        return path
+    name = path.split(":", 1)[1]
+    folder = os.path.join(BUILTIN_DIR, name)
+    if not os.path.isdir(folder):
+        have = sorted(os.listdir(BUILTIN_DIR)) if os.path.isdir(BUILTIN_DIR) else []
+        raise FileNotFoundError(f"no built-in model {name!r}; built-in models: {have or 'none installed'} "
+                                "(train them with `jspec train`, see README)")
+    return folder
+
+
 def load_target(path: str, dtype=jnp.float32) -> Target:
-    """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json)."""
+    """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json), or a
+    built-in model by name ('builtin:code-target')."""
+    path = resolve_path(path)
     cfg, params = load_params(path, dtype=dtype)
     tok = load_tokenizer(path)
     if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
@@ -96,12 +115,12 @@ def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budg
         return spec_or_path
     if spec_or_path == "lookup":
         return PromptLookup(block_size=block_size, tree_budget=tree_budget, vocab_size=target.cfg.vocab_size), ()
-    import os
-
     from jspec.drafters.dflash import DFlash
     from jspec.drafters.dspark import DSpark
     from jspec.io import drafters as drafter_io
 
+    if isinstance(spec_or_path, str) and spec_or_path.startswith("builtin:"):
+        spec_or_path = resolve_path(spec_or_path)
     if isinstance(spec_or_path, str) and os.path.isdir(spec_or_path):
         fmt = drafter_io.drafter_format(drafter_io.read_config(spec_or_path))
         dtype = target.params["embed"].dtype

@@ -34,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from a target checkpoint")
-    gen.add_argument("--target", required=True, help="Hugging Face model directory (Llama / Qwen3)")
-    src = gen.add_mutually_exclusive_group(required=True)
+    gen.add_argument("--target", default=None,
+                     help="Hugging Face model directory (Llama / Qwen3) or builtin:NAME "
+                          "(default: builtin:code-target with the builtin:code-dflash drafter)")
+    src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the checkpoint)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -44,9 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _sampling_args(gen)
     sp = gen.add_argument_group("speculative decoding")
-    sp.add_argument("--drafter", default="none",
-                    help="none (plain autoregressive), lookup (prompt lookup), or PATH of a small HF LM "
-                         "sharing the target's tokenizer")
+    sp.add_argument("--drafter", default=None,
+                    help="none (plain autoregressive, the default with --target), lookup (prompt lookup), "
+                         "PATH of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
+                         "tokenizer, or builtin:NAME")
+    sp.add_argument("--compare", action="store_true",
+                    help="also run plain AR decoding on the same prompt and report the speedup (on by default "
+                         "without --target)")
     sp.add_argument("--verifier", default=None, choices=["greedy", "speculative", "block", "gumbel"],
                     help="default: greedy at temperature 0, gumbel otherwise")
     sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
@@ -66,27 +72,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
+
+
 def cmd_generate(args) -> int:
+    import time
+
     import jax.numpy as jnp
 
     import jspec
 
+    showcase = args.target is None
+    target_path = args.target or "builtin:code-target"
+    drafter = args.drafter or ("builtin:code-dflash" if showcase else "none")
+    compare = args.compare or showcase
     sampling = jspec.SamplingParams(args.temperature, args.top_k, args.top_p)
-    target = jspec.load_target(args.target, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    prompt = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else target.encode(args.prompt)
-    res = jspec.generate(target, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                         seeds=[args.seed], cache_size=args.cache_size, drafter=args.drafter,
-                         verifier=args.verifier, block_size=args.block_size, tree_budget=args.tree_budget)
+    target = jspec.load_target(target_path, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids)
+    else:
+        prompt = target.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size)
+    run = lambda d: jspec.generate(target, [prompt], drafter=d, verifier=args.verifier if d != "none" else None,
+                                   block_size=args.block_size, tree_budget=args.tree_budget if d != "none" else 0, **kw)
+    res = run(drafter)
+    if compare:  # compile plain AR too, then time both side by side
+        run("none")
+        t0 = time.perf_counter()
+        res = run(drafter)
+        spec_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ar_res = run("none")
+        ar_s = time.perf_counter() - t0
+        if ar_res.tokens != res.tokens and sampling.greedy:
+            raise RuntimeError("speculative and plain greedy outputs differ: please report this bug")
+        res.stats.update(spec_wall_s=spec_s, ar_wall_s=ar_s, speedup=ar_s / spec_s)
     text = target.decode(res.tokens[0])
     if args.json:
         out = {"tokens": res.tokens[0], "stats": res.stats}
         if text is not None:
             out["text"] = text
         print(json.dumps(out))
+        return 0
+    if showcase:
+        print(f"target {target_path}, drafter {drafter}, prompt:\n{target.decode(prompt)}", end="")
+    print(text if text is not None else " ".join(map(str, res.tokens[0])))
+    st = res.stats
+    line = f"[{st['new_tokens']} tokens, {st['rounds']} rounds, tau {st['tau']:.2f}"
+    if compare:
+        line += f", {st['speedup']:.2f}x faster than plain AR in this run ({st['ar_wall_s']:.3f} s -> {st['spec_wall_s']:.3f} s)"
     else:
-        print(text if text is not None else " ".join(map(str, res.tokens[0])))
-        print(f"[{res.stats['new_tokens']} tokens in {res.stats['wall_s']:.3f} s (compile included), "
-              f"{res.stats['rounds']} rounds, tau {res.stats['tau']:.2f}]", file=sys.stderr)
+        line += f", {st['wall_s']:.3f} s with compilation"
+    print(line + "]", file=sys.stderr if not showcase else sys.stdout)
     return 0
 
 
