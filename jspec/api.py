@@ -160,12 +160,16 @@ def generate(
     verifier: str | None = None,
     block_size: int = 4,
     tree_budget: int = 0,
+    verify_budget=None,
 ) -> GenerateResult:
     """Generate for a batch of token-id prompts of different lengths, in one compiled call.
 
     drafter: None (plain autoregressive decoding), "lookup", an HF directory of a small LM with the
     target's tokenizer, a Drafter instance, or a (Drafter, params) pair. verifier: "greedy" (the
     default at temperature 0), "gumbel" (the default otherwise), "speculative" or "block".
+    verify_budget: None, "profile" (time the target's verify pass now and build the table), or a
+    steps-per-second table (see jspec.decode.spec.SpecConfig.sps): the non-anticipating DSpark budget,
+    for drafters that report confidences.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
     """
@@ -201,7 +205,8 @@ def generate(
         stats = {"rounds": rounds, "tau": 1.0, "accepted_per_position": []}
     else:
         dr, dparams = _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
-        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling))
+        sps = _verify_budget(target, dr, verify_budget, len(prompts), cache_size)
+        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps)
         start = time.perf_counter()
         state = spec.generate_spec(target.params, dparams, cfg, dr, scfg, *args)
         tokens, logprobs, length, st = jax.device_get(
@@ -214,11 +219,32 @@ def generate(
             "accepted_per_position": st.per_position.sum(0).tolist(),
             "accept_hist": st.hist.sum(0).tolist(),
             "loop_rounds": int(st.loop_rounds),
+            "verified": int(st.verified.sum()),
         }
     out_tokens = [tokens[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     out_logps = [logprobs[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, **stats}
     return GenerateResult(out_tokens, out_logps, stats)
+
+
+def _verify_budget(target, drafter, verify_budget, batch: int, cache_size: int):
+    from jspec.drafters.dspark import DSpark
+
+    if verify_budget is None:
+        return None
+    if not isinstance(drafter, DSpark) or drafter.kind != "chain" or not drafter.spark.confidence_head:
+        raise ValueError("a verify budget needs a chain drafter with a confidence head (DSpark without a tree budget)")
+    g = drafter.num_drafts
+    if verify_budget == "profile":
+        from jspec.decode import profile
+
+        secs = {w: profile.verify_pass_seconds(target.params, target.cfg, batch, w, cache_size // 2,
+                                               cache_size + g + 1, repeats=3) for w in spec.width_buckets(g)}
+        return profile.sps_table(secs, batch, g)
+    table = tuple(float(x) for x in verify_budget)
+    if len(table) < batch * g + 1:
+        raise ValueError(f"the verify budget table needs batch * g + 1 = {batch * g + 1} entries, got {len(table)}")
+    return table
 
 
 def _default_verifier(verifier: str | None, sampling: SamplingParams) -> str:

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none (plain autoregressive, the default with --target), lookup (prompt lookup), "
                          "PATH of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
                          "tokenizer, or builtin:NAME")
+    sp.add_argument("--verify-budget", action="store_true",
+                    help="DSpark: profile the verify pass and verify only the drafts worth it (non-anticipating)")
     sp.add_argument("--compare", action="store_true",
                     help="also run plain AR decoding on the same prompt and report the speedup (on by default "
                          "without --target)")
@@ -93,8 +95,13 @@ def cmd_generate(args) -> int:
     else:
         prompt = target.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size)
-    run = lambda d: jspec.generate(target, [prompt], drafter=d, verifier=args.verifier if d != "none" else None,
-                                   block_size=args.block_size, tree_budget=args.tree_budget if d != "none" else 0, **kw)
+    def run(d):
+        if d == "none":
+            return jspec.generate(target, [prompt], **kw)
+        return jspec.generate(target, [prompt], drafter=d, verifier=args.verifier, block_size=args.block_size,
+                              tree_budget=args.tree_budget, verify_budget="profile" if args.verify_budget else None,
+                              **kw)
+
     res = run(drafter)
     if compare:  # compile plain AR too, then time both side by side
         run("none")

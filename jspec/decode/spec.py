@@ -61,12 +61,14 @@ class SpecStats:
     accepted: jax.Array  # [B] accepted drafts (before EOS / budget truncation)
     hist: jax.Array  # [B, D + 1] rounds by accepted count n
     per_position: jax.Array  # [B, D] rounds whose draft at depth i + 1 was accepted
+    verified: jax.Array  # [B] drafts the target verified (less than rounds x g under a verify budget)
     loop_rounds: jax.Array  # [] iterations of the while_loop
 
     @classmethod
     def zeros(cls, b: int, d: int) -> "SpecStats":
         z = jnp.zeros((b,), jnp.int32)
-        return cls(z, z, z, jnp.zeros((b, d + 1), jnp.int32), jnp.zeros((b, d), jnp.int32), jnp.zeros((), jnp.int32))
+        return cls(z, z, z, jnp.zeros((b, d + 1), jnp.int32), jnp.zeros((b, d), jnp.int32), z,
+                   jnp.zeros((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +115,8 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     vt = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)
     lengths = None
     if scfg.sps is not None and prop.confidence is not None:
-        lengths = budget.choose_verify_lengths(prop.confidence, jnp.asarray(scfg.sps, jnp.float32))
+        live_conf = jnp.where(core.done[:, None], 0.0, prop.confidence)  # finished rows take no budget
+        lengths = budget.choose_verify_lengths(live_conf, jnp.asarray(scfg.sps, jnp.float32))
         buckets = width_buckets(g)
 
         def at_width(w):
@@ -145,7 +148,8 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
     report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
     emitted_logp = jnp.take_along_axis(report, emitted[..., None], axis=-1)[..., 0]
-    return res.n, emitted, emitted_logp, cache, taps
+    verified = jnp.full((b,), g, jnp.int32) if lengths is None else lengths
+    return res.n, emitted, emitted_logp, cache, taps, verified
 
 
 def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
@@ -187,7 +191,7 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     cache = transformer.KVCache(cache.k.at[:, rows, dst].set(cache.k[:, rows, src]),
                                 cache.v.at[:, rows, dst].set(cache.v[:, rows, src]))
     taps = None if out.taps is None else out.taps[:, rows, src_row]
-    return res.n, emitted, emitted_logp, cache, taps
+    return res.n, emitted, emitted_logp, cache, taps, jnp.full((b,), n_nodes, jnp.int32)
 
 
 def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, state: SpecState) -> SpecState:
@@ -196,7 +200,7 @@ def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCo
     prop, dstate = drafter.propose(dparams, state.draft, ctx)
     anchor = jnp.take_along_axis(core.tokens, (core.length - 1)[:, None], axis=1)[:, 0]
     verify = _verify_tree if drafter.kind == "tree" else _verify_chain
-    n, emitted, emitted_logp, cache, taps = verify(params, cfg, drafter, scfg, core, prop, anchor)
+    n, emitted, emitted_logp, cache, taps, verified = verify(params, cfg, drafter, scfg, core, prop, anchor)
 
     live = ~core.done
     new_core, kept = ar.append_tokens(dataclasses.replace(core, cache=cache), emitted, emitted_logp, n + 1,
@@ -213,6 +217,7 @@ def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCo
         accepted=s.accepted + livei * n,
         hist=s.hist + livei[:, None] * jax.nn.one_hot(n, d + 1, dtype=jnp.int32),
         per_position=s.per_position + livei[:, None] * (jnp.arange(d)[None] < n[:, None]).astype(jnp.int32),
+        verified=s.verified + livei * verified,
         loop_rounds=s.loop_rounds + 1,
     )
     return SpecState(new_core, dstate, stats)
