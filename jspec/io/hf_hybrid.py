@@ -45,7 +45,8 @@ def _layer_shapes(cfg: HybridConfig, i: int) -> dict[str, tuple[int, ...]]:
     else:
         la = "linear_attn."
         if cfg.family == "qwen3_next":
-            out.update({la + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, d), la + "in_proj_ba.weight": (2 * hv, d)})
+            out.update({la + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, d),
+                        la + "in_proj_ba.weight": (2 * hv, d)})
         else:
             out.update({la + "in_proj_qkv.weight": (cfg.conv_dim, d), la + "in_proj_z.weight": (hv * dv, d),
                         la + "in_proj_b.weight": (hv, d), la + "in_proj_a.weight": (hv, d)})
@@ -67,7 +68,8 @@ def _layer_shapes(cfg: HybridConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 def expected_tensors(cfg: HybridConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the config implies -> its HF shape."""
-    out = {f"{prefix}embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), f"{prefix}norm.weight": (cfg.hidden_size,)}
+    out = {f"{prefix}embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+           f"{prefix}norm.weight": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     for i in range(cfg.num_layers):
@@ -107,7 +109,8 @@ def _join_grouped(cfg: HybridConfig, qkv: np.ndarray, z: np.ndarray, b: np.ndarr
 
 def _layer_to_jspec(cfg: HybridConfig, i: int, get) -> dict[tuple[str, str], np.ndarray]:
     """HF tensors of layer i (get(name below layers.{i}.)) -> {(group, key): jspec array}."""
-    out = {("norms", "in_norm"): get("input_layernorm.weight"), ("norms", "mlp_norm"): get("post_attention_layernorm.weight")}
+    out = {("norms", "in_norm"): get("input_layernorm.weight"),
+           ("norms", "mlp_norm"): get("post_attention_layernorm.weight")}
     if cfg.layer_types[i] == FULL:
         sa = "self_attn."
         out.update({("attn", "wq"): get(sa + "q_proj.weight").T, ("attn", "wk"): get(sa + "k_proj.weight").T,
@@ -125,7 +128,7 @@ def _layer_to_jspec(cfg: HybridConfig, i: int, get) -> dict[tuple[str, str], np.
                     ("gdn", "w_out"): get(la + "out_proj.weight").T})
     if cfg.mlp_types[i] == "moe":
         e = cfg.num_experts
-        experts = lambda n: np.stack([get(f"mlp.experts.{i}.{n}.weight").T for i in range(e)])
+        experts = lambda n: np.stack([get(f"mlp.experts.{x}.{n}.weight").T for x in range(e)])
         se = "mlp.shared_expert."
         out.update({("moe", "router"): get("mlp.gate.weight").T, ("moe", "e_gate"): experts("gate_proj"),
                     ("moe", "e_up"): experts("up_proj"), ("moe", "e_down"): experts("down_proj"),
@@ -154,7 +157,8 @@ def _layer_to_hf(cfg: HybridConfig, i: int, params: dict) -> dict[str, np.ndarra
             out[la + "in_proj_qkvz.weight"], out[la + "in_proj_ba.weight"] = _join_grouped(cfg, **flat)
         else:
             out.update({f"{la}in_proj_{n}.weight": flat[n] for n in flat})
-        out.update({la + "conv1d.weight": host("gdn", "conv", jm).T[:, None, :], la + "dt_bias": host("gdn", "dt_bias", jm),
+        out.update({la + "conv1d.weight": host("gdn", "conv", jm).T[:, None, :],
+                    la + "dt_bias": host("gdn", "dt_bias", jm),
                     la + "A_log": host("gdn", "A_log", jm), la + "norm.weight": host("gdn", "norm", jm),
                     la + "out_proj.weight": host("gdn", "w_out", jm).T})
     if cfg.mlp_types[i] == "moe":
@@ -177,10 +181,12 @@ def _pattern_hints(cfg: HybridConfig, names: set[str], prefix: str) -> list[str]
         has = lambda part: any(n.startswith(base + part) for n in names)
         found_mixer = "full_attention" if has("self_attn.") else "linear_attention" if has("linear_attn.") else None
         if found_mixer and found_mixer != cfg.layer_types[i]:
-            hints.append(f"layer {i}: config.json says {cfg.layer_types[i]}, the checkpoint holds {found_mixer} tensors")
+            hints.append(f"layer {i}: config.json says {cfg.layer_types[i]}, "
+                         f"the checkpoint holds {found_mixer} tensors")
         found_mlp = "moe" if has("mlp.experts.") else "dense" if has("mlp.gate_proj.") else None
         if found_mlp and found_mlp != cfg.mlp_types[i]:
-            hints.append(f"layer {i}: config.json implies a {cfg.mlp_types[i]} MLP, the checkpoint holds a {found_mlp} one")
+            hints.append(f"layer {i}: config.json implies a {cfg.mlp_types[i]} MLP, "
+                         f"the checkpoint holds a {found_mlp} one")
     return hints
 
 

@@ -30,14 +30,17 @@ Committing after a verify pass uses the **per-position states** strategy (HYBRID
 with no second recurrent pass, verify and plain decoding run the same token-by-token kernel (greedy
 equality), and trees come for free (a node's state is computed from its parent's). The price is
 transient memory, T x state per GDN layer and row during the pass: for a Qwen3-Next-80B GDN layer
-(HV 32, dk = dv 128, conv_dim 8192, K 4) at T = 16 that is 16 x (32*128*128*4 B = 2 MiB of S +
-3*8192*2 B = 48 KiB of bf16 window) = 34,406,400 B (32.8 MiB); x 36 GDN layers = 1.15 GiB per row.
-Replay would keep only the pass's (q, k, v, g, beta), 16 x 8256 x 4 B = 528 KiB per layer and row.
+(HK 16, HV 32, dk = dv 128, conv_dim 8192, K 4) at T = 16 that is 16 x (32*128*128*4 B = 2 MiB of S
++ 3*8192*2 B = 48 KiB of bf16 window) = 34,340,864 B (32.75 MiB); x 36 GDN layers = 1.15 GiB per
+row. Replay would keep only the pass's (q, k, v, g, beta): 16 x 8256 x 4 B = 528,384 B per layer
+and row, 65x less, for a second (<= T step) recurrent pass after verification.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, NamedTuple
@@ -147,13 +150,12 @@ class HybridConfig:
 
     @property
     def block(self) -> tuple[tuple[str, str], ...]:
-        """The shortest period of (mixer, mlp) kinds that repeats over the whole layer stack."""
-        kinds = tuple(("attn" if m == FULL else "gdn", f) for m, f in
-                      zip(self.layer_types, ("moe" if x == "moe" else "mlp" for x in self.mlp_types)))
-        for p in range(1, self.num_layers + 1):
-            if self.num_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(self.num_layers)):
-                return kinds[:p]
-        raise AssertionError("unreachable: the whole stack is a period")
+        """The shortest period of per-layer (mixer stack, MLP stack) names that tiles the layer stack."""
+        kinds = tuple(("attn" if m == FULL else "gdn", "moe" if f == "moe" else "mlp")
+                      for m, f in zip(self.layer_types, self.mlp_types))
+        n = self.num_layers
+        return next(kinds[:p] for p in range(1, n + 1)
+                    if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
 
     @property
     def num_params(self) -> int:
@@ -211,17 +213,18 @@ class HybridConfig:
             layer_types=tuple(layer_types),
             num_heads=n_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
+            head_dim=int(hf.get("head_dim", 256)),
             linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
             linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
             linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
             linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
             linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
             intermediate_size=int(hf["intermediate_size"]),
-            num_experts=int(hf.get("num_experts", 0)) if moe else 0,
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if moe else 0,
-            moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)) if moe else 0,
-            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)) if moe else 0,
+            # transformers' defaults where a field is absent (Qwen3-Next-80B's values).
+            num_experts=int(hf.get("num_experts", 512)) if moe else 0,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 10)) if moe else 0,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size", 512)) if moe else 0,
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 512)) if moe else 0,
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(int(i) for i in (hf.get("mlp_only_layers") or ())),
@@ -324,23 +327,28 @@ def param_shapes(cfg: HybridConfig) -> dict:
     return shapes
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
 def init_params(cfg: HybridConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random parameters for tests and from-scratch training (transformers' init conventions)."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(key, len(flat))
-    out = []
-    for (path, shape), k in zip(flat, keys):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    sizes = [int(np.prod(shape)) for _, shape in flat]
+    # One draw for all leaves: a threefry call per leaf makes XLA's compile time grow with the leaf count.
+    k_normal, k_uniform = jax.random.split(key)
+    normal = jax.random.normal(k_normal, (sum(sizes),))
+    uniform = jax.random.uniform(k_uniform, (sum(sizes),), minval=0.01, maxval=16.0)
+    out, offset = [], 0
+    for (path, shape), size in zip(flat, sizes):
         name = jax.tree_util.keystr(path[-1:]).strip("[]'")
         if name in ("in_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
             x = jnp.zeros(shape)  # zero-centred: scale 1 + w
         elif name in ("norm", "dt_bias"):
             x = jnp.ones(shape)
         elif name == "A_log":
-            x = jnp.log(jax.random.uniform(k, shape, minval=0.01, maxval=16.0))
+            x = jnp.log(uniform[offset : offset + size]).reshape(shape)
         else:
-            x = std * jax.random.normal(k, shape)
+            x = std * normal[offset : offset + size].reshape(shape)
         out.append(x.astype(dtype))
+        offset += size
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -591,19 +599,19 @@ def forward(
 
     block = cfg.block
     nb = cfg.num_layers // len(block)
-    per_block = {kind: sum(1 for m, f in block for x in (m, f) if x == kind) for kind in ("attn", "gdn", "mlp", "moe")}
+    per_block = collections.Counter(kind for layer in block for kind in layer)
 
-    def split(x, kind):  # [L_kind, ...] -> [blocks, per block, ...]
-        return x.reshape((nb, per_block[kind]) + x.shape[1:])
+    def split(x, n):  # [L_kind, ...] -> [blocks, n per block, ...]
+        return x.reshape((nb, n) + x.shape[1:])
 
-    xs: dict = {"norms": jax.tree_util.tree_map(lambda a: a.reshape((nb, len(block)) + a.shape[1:]), params["norms"])}
+    xs: dict = {"norms": jax.tree_util.tree_map(lambda a: split(a, len(block)), params["norms"])}
     for kind in ("attn", "gdn", "mlp", "moe"):
         if per_block[kind]:
-            xs[kind] = jax.tree_util.tree_map(lambda a, kind=kind: split(a, kind), params[kind])
+            xs[kind] = jax.tree_util.tree_map(lambda a, n=per_block[kind]: split(a, n), params[kind])
     if per_block["attn"]:
-        xs["k"], xs["v"] = split(cache.k, "attn"), split(cache.v, "attn")
+        xs["k"], xs["v"] = split(cache.k, per_block["attn"]), split(cache.v, per_block["attn"])
     if per_block["gdn"]:
-        xs["conv"], xs["ssm"] = split(cache.conv, "gdn"), split(cache.ssm, "gdn")
+        xs["conv"], xs["ssm"] = split(cache.conv, per_block["gdn"]), split(cache.ssm, per_block["gdn"])
 
     def body(h, x):
         seen = {"attn": 0, "gdn": 0, "mlp": 0, "moe": 0}
@@ -622,12 +630,12 @@ def forward(
                 out, win, s, per_pos = _gdn_layer(cfg, lp, xn, x["conv"][j], x["ssm"][j], parent=parent,
                                                   lengths=lengths, keep_states=keep_states, impl=impl,
                                                   chunk_size=chunk_size)
-                if keep_states:
+                if keep_states:  # the cache keeps its pre-pass recurrent state
                     ys["windows"].append(per_pos[0])
                     ys["states"].append(per_pos[1])
-                    win, s = x["conv"][j], x["ssm"][j]  # the cache keeps the pre-pass state
-                ys["conv"].append(win)
-                ys["ssm"].append(s)
+                else:
+                    ys["conv"].append(win)
+                    ys["ssm"].append(s)
             h = h + out
             j = seen[mlp]
             seen[mlp] += 1
