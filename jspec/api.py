@@ -23,7 +23,7 @@ from jspec.verify.sampling import SamplingParams
 class Target:
     """A target model: static config, parameter pytree, optional tokenizer."""
 
-    cfg: ModelConfig
+    cfg: ModelConfig  # or jspec.models.hybrid.HybridConfig
     params: dict
     tokenizer: object | None = None
     path: str | None = None
@@ -57,7 +57,21 @@ def load_target(path: str, dtype=jnp.float32) -> Target:
     """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json), or a
     built-in model by name ('builtin:code-target')."""
     path = resolve_path(path)
-    cfg, params = load_params(path, dtype=dtype)
+    cfg_path = os.path.join(path, "config.json")
+    model_type = None
+    if os.path.exists(cfg_path):
+        import json
+
+        with open(cfg_path) as f:
+            model_type = json.load(f).get("model_type")
+    from jspec.models import hybrid
+
+    if model_type in hybrid.SUPPORTED_ARCHITECTURES:  # Gated DeltaNet hybrids
+        from jspec.io.hf_hybrid import load_hybrid_params
+
+        cfg, params = load_hybrid_params(path, dtype=dtype)
+    else:
+        cfg, params = load_params(path, dtype=dtype)
     tok = load_tokenizer(path)
     if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.models import transformer
+from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
 from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
@@ -45,7 +45,7 @@ class ARState:
     prompt_len: jax.Array  # [B]
     seeds: jax.Array  # [B]
     done: jax.Array  # [B]
-    cache: transformer.KVCache
+    cache: object  # the target's cache (jspec.models.target.init_cache)
     steps: jax.Array  # [] target forward passes after prefill
 
 
@@ -104,29 +104,30 @@ def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, s
     Returns (state, taps [n_taps, B, P, D] or None).
     """
     b, p = prompts.shape
-    cache = transformer.KVCache.zeros(cfg, b, dcfg.cache_size + dcfg.scratch_rows, params["embed"].dtype)
+    cache = tm.init_cache(cfg, b, dcfg.cache_size + dcfg.scratch_rows, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = transformer.forward(params, cfg, prompts, positions, cache, taps=taps)
-    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
-    token, logprob = choose_tokens(transformer.logits(params, cfg, last), seeds, prompt_len, dcfg.sampling,
-                                   cfg.vocab_size)
+    hidden, cache, tapped, _ = tm.forward(params, cfg, prompts, positions, cache, taps=taps, lengths=prompt_len)
+    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    token, logprob = choose_tokens(tm.logits(params, cfg, last), seeds, prompt_len, dcfg.sampling, cfg.vocab_size)
     tokens = jnp.zeros((b, dcfg.cache_size), jnp.int32).at[:, :p].set(prompts)
     state = ARState(
         tokens=tokens, logprobs=jnp.zeros((b, dcfg.cache_size), jnp.float32), length=prompt_len,
-        prompt_len=prompt_len, seeds=seeds, done=jnp.zeros((b,), bool), cache=out.cache,
+        prompt_len=prompt_len, seeds=seeds, done=jnp.zeros((b,), bool), cache=cache,
         steps=jnp.zeros((), jnp.int32),
     )
-    return _emit(state, token, logprob, dcfg), out.taps
+    return _emit(state, token, logprob, dcfg), tapped
 
 
 def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) -> ARState:
     """One target forward over every row's pending token, then one emitted token per live row."""
     pos = state.length - 1
     pending = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
-    out = transformer.forward(params, cfg, pending, pos[:, None], state.cache)
-    token, logprob = choose_tokens(transformer.logits(params, cfg, out.hidden[:, 0]), state.seeds, state.length,
-                                   dcfg.sampling, cfg.vocab_size)
-    state = dataclasses.replace(state, cache=out.cache, steps=state.steps + 1)
+    # Finished rows recompute their last K/V row (harmless) but must not advance a recurrent state.
+    live = (~state.done).astype(jnp.int32)
+    hidden, cache, _, _ = tm.forward(params, cfg, pending, pos[:, None], state.cache, lengths=live)
+    token, logprob = choose_tokens(tm.logits(params, cfg, hidden[:, 0]), state.seeds, state.length, dcfg.sampling,
+                                   cfg.vocab_size)
+    state = dataclasses.replace(state, cache=cache, steps=state.steps + 1)
     return _emit(state, token, logprob, dcfg)
 
 

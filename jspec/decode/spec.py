@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jspec.decode import ar
 from jspec.drafters.base import GREEDY, GUMBEL, SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo
-from jspec.models import transformer
+from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import budget
 from jspec.verify.chain import CHAIN_RULES
@@ -103,10 +103,12 @@ def width_buckets(g: int) -> tuple[int, ...]:
 
 
 def _verify_pass(params, cfg, drafter, core, vt):
-    """Target forward over vt [B, w+1] = [anchor, drafts] at positions length - 1 + i."""
+    """Target forward over vt [B, w+1] = [anchor, drafts] at positions length - 1 + i; keeps the
+    recurrent state after every token (hybrid targets) for the commit."""
     positions = core.length[:, None] - 1 + jnp.arange(vt.shape[1])[None]
-    out = transformer.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps)
-    return transformer.logits(params, cfg, out.hidden), out.cache, out.taps
+    hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps,
+                                             keep_states=True)
+    return tm.logits(params, cfg, hidden), cache, taps, states
 
 
 def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
@@ -121,18 +123,18 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
 
         def at_width(w):
             def run(cache):
-                logits, cache, taps = _verify_pass(params, cfg, drafter, dataclasses.replace(core, cache=cache),
-                                                   vt[:, : w + 1])
+                logits, cache, taps, states = _verify_pass(params, cfg, drafter,
+                                                           dataclasses.replace(core, cache=cache), vt[:, : w + 1])
                 pad = g - w  # rows past the bucket: never read, since every row's length <= w
                 logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
                 taps = None if taps is None else jnp.pad(taps, ((0, 0), (0, 0), (0, pad), (0, 0)))
-                return logits, cache, taps
+                return logits, cache, taps, tm.pad_states(states, g + 1)
             return run
 
         branch = jnp.searchsorted(jnp.asarray(buckets), jnp.max(lengths))
-        logits, cache, taps = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
+        logits, cache, taps, states = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
     else:
-        logits, cache, taps = _verify_pass(params, cfg, drafter, core, vt)
+        logits, cache, taps, states = _verify_pass(params, cfg, drafter, core, vt)
     logp = served_logprobs(logits, scfg.decode.sampling)
     rule = CHAIN_RULES[scfg.verifier]
     if scfg.verifier == "greedy":
@@ -149,7 +151,8 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
     emitted_logp = jnp.take_along_axis(report, emitted[..., None], axis=-1)[..., 0]
     verified = jnp.full((b,), g, jnp.int32) if lengths is None else lengths
-    return res.n, emitted, emitted_logp, cache, taps, verified
+    state_index = jnp.arange(g + 1)[None].repeat(b, 0)  # pass token i carries the state after draft i
+    return res.n, emitted, emitted_logp, cache, taps, verified, states, state_index
 
 
 def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
@@ -160,9 +163,11 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), prop.depth], axis=1)
     positions = core.length[:, None] - 1 + depth
     cache_rows = core.length[:, None] - 1 + jnp.arange(n_nodes + 1)[None]
-    out = transformer.forward(params, cfg, vt, positions, core.cache, ctx_len=core.length - 1,
-                              cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent), taps=drafter.taps)
-    logits = transformer.logits(params, cfg, out.hidden)
+    pass_parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), prop.parent + 1], axis=1)
+    hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, ctx_len=core.length - 1,
+                                             cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent),
+                                             taps=drafter.taps, parent=pass_parent, keep_states=True)
+    logits = tm.logits(params, cfg, hidden)
     logp = served_logprobs(logits, scfg.decode.sampling)
     if scfg.verifier == "greedy":
         res = jax.vmap(TREE_RULES["greedy"])(logp, prop.tokens, prop.parent, prop.depth)
@@ -187,11 +192,10 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     # Compact the accepted path: node path[j] (row length + path[j]) moves to row length + j.
     dst = core.length[:, None] + j
     src = jnp.where(on_path, core.length[:, None] + safe_path, dst)
-    cache = out.cache
-    cache = transformer.KVCache(cache.k.at[:, rows, dst].set(cache.k[:, rows, src]),
-                                cache.v.at[:, rows, dst].set(cache.v[:, rows, src]))
-    taps = None if out.taps is None else out.taps[:, rows, src_row]
-    return res.n, emitted, emitted_logp, cache, taps, jnp.full((b,), n_nodes, jnp.int32)
+    cache = tm.compact_rows(cache, rows, dst, src)
+    taps = None if taps is None else taps[:, rows, src_row]
+    # Pass token carrying the state after emitted-order position j: the anchor, then the path nodes.
+    return (res.n, emitted, emitted_logp, cache, taps, jnp.full((b,), n_nodes, jnp.int32), states, src_row)
 
 
 def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, state: SpecState) -> SpecState:
@@ -200,11 +204,15 @@ def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCo
     prop, dstate = drafter.propose(dparams, state.draft, ctx)
     anchor = jnp.take_along_axis(core.tokens, (core.length - 1)[:, None], axis=1)[:, 0]
     verify = _verify_tree if drafter.kind == "tree" else _verify_chain
-    n, emitted, emitted_logp, cache, taps, verified = verify(params, cfg, drafter, scfg, core, prop, anchor)
+    n, emitted, emitted_logp, cache, taps, verified, states, state_index = verify(
+        params, cfg, drafter, scfg, core, prop, anchor)
 
     live = ~core.done
     new_core, kept = ar.append_tokens(dataclasses.replace(core, cache=cache), emitted, emitted_logp, n + 1,
                                       scfg.decode)
+    # The committed history ends at the last kept token before the new anchor: kept - 1 in emitted order.
+    idx = jnp.take_along_axis(state_index, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+    new_core = dataclasses.replace(new_core, cache=tm.commit_states(cfg, new_core.cache, states, idx, kept > 0))
     new_core = dataclasses.replace(new_core, steps=core.steps + 1)
     dstate = drafter.commit(dparams, dstate, CommitInfo(new_core.tokens, core.length, new_core.length, taps))
 

@@ -1,0 +1,66 @@
+"""One interface over the target families: dense transformers (Llama / Qwen3) and hybrid recurrent
+models (Qwen3-Next / Qwen3.5). The decode loops call only these functions.
+
+Recurrent state is the one difference the loops see: a verify pass keeps the state after each of its
+tokens (`keep_states`) and `commit_states` makes the accepted one current; `lengths` tells a pass how
+many of each row's tokens may advance the recurrent state (padding and finished rows advance nothing).
+For dense models these arguments change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models import hybrid, transformer
+
+
+def is_hybrid(cfg) -> bool:
+    return isinstance(cfg, hybrid.HybridConfig)
+
+
+def init_cache(cfg, batch: int, size: int, dtype=jnp.float32):
+    return (hybrid.HybridCache if is_hybrid(cfg) else transformer.KVCache).zeros(cfg, batch, size, dtype)
+
+
+def forward(params, cfg, tokens, positions, cache, *, ctx_len=None, cache_rows=None, tree_mask=None, taps=(),
+            parent=None, keep_states=False, lengths=None):
+    """(hidden [B, T, D], cache, taps or None, per-position recurrent states or None)."""
+    if is_hybrid(cfg):
+        out = hybrid.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
+                             tree_mask=tree_mask, taps=taps, parent=parent if keep_states else None,
+                             keep_states=keep_states, lengths=None if keep_states else lengths)
+        return out.hidden, out.cache, out.taps, out.states
+    out = transformer.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
+                              tree_mask=tree_mask, taps=taps)
+    return out.hidden, out.cache, out.taps, None
+
+
+def logits(params, cfg, hidden):
+    return (hybrid.logits if is_hybrid(cfg) else transformer.logits)(params, cfg, hidden)
+
+
+def commit_states(cfg, cache, states, index, live):
+    """Rows where live [B]: the recurrent state after pass token `index` [B] becomes current; other rows
+    keep their state. No-op for dense models."""
+    if not is_hybrid(cfg):
+        return cache
+    new = hybrid.commit_states(cache, states, jnp.maximum(index, 0))
+    keep = lambda a, b: jnp.where(live.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
+    return dataclasses.replace(cache, conv=keep(new.conv, cache.conv), ssm=keep(new.ssm, cache.ssm))
+
+
+def compact_rows(cache, rows, dst, src):
+    """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched."""
+    return dataclasses.replace(cache, k=cache.k.at[:, rows, dst].set(cache.k[:, rows, src]),
+                               v=cache.v.at[:, rows, dst].set(cache.v[:, rows, src]))
+
+
+def pad_states(states, width: int):
+    """Pad per-position states along the pass axis to `width` (budgeted passes of several widths)."""
+    if states is None:
+        return None
+    return jax.tree_util.tree_map(
+        lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2])] + [(0, 0)] * (x.ndim - 3)), states)

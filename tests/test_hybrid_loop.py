@@ -1,0 +1,138 @@
+"""Hybrid (Gated DeltaNet) targets in the compiled loops: exact output and exact recurrent-state commit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from hybrid_helpers import checkpoint
+from jspec.decode import ar, spec
+from jspec.drafters.base import Drafter, Proposal
+from jspec.verify.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 3, 44, 5, 9, 17, 3], [7, 8, 7, 8, 7, 8], [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15]]
+NEW = 16
+
+
+_TARGETS: dict = {}
+
+
+def _target(family):
+    if family not in _TARGETS:
+        _TARGETS[family] = jspec.load_target(checkpoint(family)[0])
+    return _TARGETS[family]
+
+
+@pytest.fixture(scope="module")
+def small_lm_dir(tmp_path_factory):
+    from conftest import make_hf_model
+
+    path = tmp_path_factory.mktemp("small_lm")
+    make_hf_model("qwen3", seed=7, layers=1).save_pretrained(path)
+    return str(path)
+
+
+def _args(target, prompts=PROMPTS):
+    packed, lens = jspec.api.pack_prompts(prompts, target.cfg.vocab_size)
+    return jnp.asarray(packed), jnp.asarray(lens), jnp.arange(3, 3 + len(prompts), dtype=jnp.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay(Drafter):
+    """Test drafter: proposes a known continuation (dparams = the reference text [B, S]); draft i is
+    corrupted when (its index + i) % `wrong_every` == 0, so rounds accept 0 .. g drafts."""
+
+    block_size: int = 4
+    wrong_every: int = 0
+    vocab: int = 128
+
+    @property
+    def num_drafts(self):
+        return self.block_size
+
+    def propose(self, ref, state, ctx):
+        idx = ctx.length[:, None] + jnp.arange(self.block_size)[None]
+        drafts = jnp.take_along_axis(ref, jnp.minimum(idx, ref.shape[1] - 1), axis=1)
+        if self.wrong_every:
+            drafts = jnp.where((idx + jnp.arange(self.block_size)) % self.wrong_every == 0, (drafts + 1) % self.vocab,
+                               drafts)
+        return Proposal(drafts), state
+
+
+def _plain(target, sampling, eos=()):
+    dcfg = ar.DecodeConfig(max_new_tokens=NEW, cache_size=48, sampling=sampling, eos_ids=eos)
+    return dcfg, ar.generate_ar(target.params, target.cfg, dcfg, *_args(target))
+
+
+def _assert_same_state(a, b, length):
+    """Recurrent state and committed K/V rows of two loop results, per row."""
+    np.testing.assert_allclose(np.asarray(a.cache.ssm), np.asarray(b.cache.ssm), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(a.cache.conv), np.asarray(b.cache.conv), atol=2e-5, rtol=1e-4)
+    for row, n in enumerate(np.asarray(length)):
+        np.testing.assert_allclose(np.asarray(a.cache.k)[:, row, : n - 1], np.asarray(b.cache.k)[:, row, : n - 1],
+                                   atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, sampling, verifier, drafter_kind, kw", [
+    ("qwen3_next", SamplingParams(0.0), "greedy", "lookup", dict(block_size=3)),
+    ("qwen3_next", SamplingParams(1.0), "gumbel", "small_lm", dict(block_size=2)),
+    ("qwen3_5", SamplingParams(1.0), "gumbel", "lookup", dict(tree_budget=5)),
+    ("qwen3_5", SamplingParams(0.0), "greedy", "small_lm", dict(block_size=2)),
+])
+def test_equals_plain_decoding(small_lm_dir, family, sampling, verifier, drafter_kind, kw):
+    target = _target(family)
+    kwargs = dict(max_new_tokens=NEW, sampling=sampling, seeds=[1, 2, 3], eos_ids=[])
+    base = jspec.generate(target, PROMPTS, **kwargs)
+    drafter = small_lm_dir if drafter_kind == "small_lm" else drafter_kind
+    res = jspec.generate(target, PROMPTS, drafter=drafter, verifier=verifier, **kw, **kwargs)
+    assert res.tokens == base.tokens
+
+
+@pytest.mark.parametrize("family, block_size, wrong_every", [
+    ("qwen3_next", 4, 3), ("qwen3_next", 1, 2), ("qwen3_5", 8, 5), ("qwen3_5", 4, 0)])
+def test_partial_accepts_commit_the_exact_state(family, block_size, wrong_every):
+    """Rounds accepting 0 .. g drafts (and all + bonus when wrong_every = 0) leave exactly the state of
+    plain decoding of the same text."""
+    target = _target(family)
+    sampling = SamplingParams(0.0)
+    dcfg, plain = _plain(target, sampling)
+    drafter = Replay(block_size=block_size, wrong_every=wrong_every, vocab=target.cfg.vocab_size)
+    st = spec.generate_spec(target.params, plain.tokens, target.cfg, drafter, spec.SpecConfig(dcfg, "greedy"),
+                            *_args(target))
+    np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
+    hist = np.asarray(st.stats.hist).sum(0)
+    if wrong_every:
+        assert hist[0] > 0 and hist[1:].sum() > 0, hist  # rejections and partial accepts both happened
+    else:  # every round accepts all g drafts plus the bonus, except where max_new_tokens cuts the last
+        assert hist[block_size] == hist.sum(), hist
+    _assert_same_state(st.core, plain, plain.length)
+
+
+def test_tree_commit_continues_from_the_accepted_node():
+    target = _target("qwen3_next")
+    sampling = SamplingParams(1.0)
+    dcfg, plain = _plain(target, sampling)
+    drafter, _ = jspec.load_drafter("lookup", target, tree_budget=6)
+    drafter = dataclasses.replace(drafter, mode="gumbel", sampling=sampling)
+    st = spec.generate_spec(target.params, (), target.cfg, drafter, spec.SpecConfig(dcfg, "gumbel"), *_args(target))
+    np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
+    _assert_same_state(st.core, plain, plain.length)
+
+
+def test_eos_mid_block_and_rows_finishing_early():
+    target = _target("qwen3_5")
+    sampling = SamplingParams(0.0)
+    _, free = _plain(target, sampling)
+    lens = np.asarray(_args(target)[1])
+    eos = int(np.asarray(free.tokens)[0, lens[0] + 5])  # row 0's 6th new token
+    dcfg, plain = _plain(target, sampling, eos=(eos,))
+    st = spec.generate_spec(target.params, free.tokens, target.cfg, Replay(block_size=4, vocab=target.cfg.vocab_size),
+                            spec.SpecConfig(dcfg, "greedy"), *_args(target))
+    np.testing.assert_array_equal(np.asarray(st.core.length), np.asarray(plain.length))
+    assert int(plain.length[0]) - lens[0] <= 6  # row 0 stopped at the EOS, inside a block of 4
+    np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
+    _assert_same_state(st.core, plain, plain.length)
