@@ -96,7 +96,7 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
 
 
 def check_tensors(found: dict, expected: dict[str, tuple[int, ...]], where: str, fix: str,
-                  allowed_extra: set[str] = frozenset()) -> None:
+                  allowed_extra: set[str] = frozenset(), hints=()) -> None:
     """One CheckpointError naming every missing, unexpected and misshapen tensor (no partial loads)."""
     unexpected = sorted(n for n in found if n not in expected and n not in allowed_extra)
     missing = sorted(n for n in expected if n not in found)
@@ -113,6 +113,7 @@ def check_tensors(found: dict, expected: dict[str, tuple[int, ...]], where: str,
             lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
         if misshapen:
             lines.append(f"  misshapen tensors ({len(misshapen)}): {'; '.join(misshapen)}")
+        lines += [f"  {h}" for h in hints]
         lines.append(f"  fix: {fix}")
         raise CheckpointError("\n".join(lines))
 

@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jspec.io.hf import CheckpointError, _safetensor_files
+from jspec.io.hf import check_tensors, read_safetensors
 from jspec.models.hybrid import FULL, HybridConfig, load_hybrid_config, param_shapes
 
 KNOWN_EXTRAS = ("mtp.", "model.visual.")
@@ -198,34 +197,17 @@ def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | No
     """
     cfg = cfg or load_hybrid_config(model_dir)
     np_dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
-    found: dict[str, np.ndarray] = {}
-    for path in _safetensor_files(model_dir):
-        with safe_open(path, framework="numpy") as f:
-            for name in f.keys():
-                if not name.startswith(KNOWN_EXTRAS):
-                    found[name] = f.get_tensor(name)
+    found = {n: t for n, t in read_safetensors(model_dir).items() if not n.startswith(KNOWN_EXTRAS)}
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in found) else "model."
     expected = expected_tensors(cfg, prefix)
-    unexpected = sorted(n for n in found if n not in expected)
-    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected and np.array_equal(
+    allowed = set()
+    if cfg.tie_word_embeddings and "lm_head.weight" in found and np.array_equal(
             found["lm_head.weight"], found.get(prefix + "embed_tokens.weight")):
-        unexpected.remove("lm_head.weight")  # a tied checkpoint may store the head as a copy of the embedding
-    missing = sorted(n for n in expected if n not in found)
-    misshapen = sorted(f"{n}: checkpoint {tuple(found[n].shape)} vs config {expected[n]}"
-                       for n in expected if n in found and tuple(found[n].shape) != expected[n])
-    if missing or unexpected or misshapen:
-        lines = [f"checkpoint {model_dir!r} does not match its config ({cfg.family}, {cfg.num_layers} layers, "
-                 f"prefix {prefix!r}):"]
-        if missing:
-            lines.append(f"  missing tensors ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
-        if misshapen:
-            lines.append(f"  misshapen tensors ({len(misshapen)}): {'; '.join(misshapen)}")
-        lines += [f"  layer pattern: {h}" for h in _pattern_hints(cfg, set(found), prefix)]
-        lines.append("  fix: point at the matching checkpoint, or correct layer_types / head counts / "
-                     "linear_conv_kernel_dim in config.json")
-        raise CheckpointError("\n".join(lines))
+        allowed.add("lm_head.weight")  # a tied checkpoint may store the head as a copy of the embedding
+    hints = [f"layer pattern: {h}" for h in _pattern_hints(cfg, set(found), prefix)]
+    check_tensors(found, expected, f"checkpoint {model_dir!r} ({cfg.family}, {cfg.num_layers} layers, prefix {prefix!r})",
+                  "point at the matching checkpoint, or correct layer_types / head counts / linear_conv_kernel_dim "
+                  "in config.json", allowed, hints)
 
     shapes = param_shapes(cfg)
     host = {k: (np.empty(s, np_dtype) if isinstance(s, tuple) else {kk: np.empty(ss, np_dtype) for kk, ss in s.items()})
