@@ -31,6 +31,8 @@ import jax.numpy as jnp
 
 from jspec.drafters import ddtree
 from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal, register
+from jspec.kernels import draft as fused_draft
+from jspec.kernels import use_pallas
 from jspec.models import transformer
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 
@@ -109,7 +111,7 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
 
 
 def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                 anchor_pos: jax.Array, block_tokens: jax.Array) -> jax.Array:
+                 anchor_pos: jax.Array, block_tokens: jax.Array, kernels: str = "reference") -> jax.Array:
     """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
@@ -117,7 +119,11 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     strictly before its anchor (sliding layers: and j >= anchor + i - (W_s - 1) for slot i) and its
     own block, bidirectionally; never another block. Rows no block may see are zeroed, so whatever
     they hold (rejected or unwritten memory) cannot leak.
+    kernels: "reference" (the jnp layers below), "pallas" (the fused draft-layer kernels of
+    jspec.kernels.draft, same result) or "auto" (jspec.kernels.resolve: pallas on TPU / GPU).
     """
+    if use_pallas(kernels):
+        return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
     b, a, w = block_tokens.shape
     h = embed[block_tokens].reshape(b, a * w, -1)
@@ -167,11 +173,12 @@ def block_inputs(cfg: DFlashConfig, anchor_tokens: jax.Array) -> jax.Array:
 
 
 def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                anchor: jax.Array, anchor_pos: jax.Array, block_tokens: jax.Array | None = None) -> jax.Array:
+                anchor: jax.Array, anchor_pos: jax.Array, block_tokens: jax.Array | None = None,
+                kernels: str = "reference") -> jax.Array:
     """Hidden states [B, W, H] of one block per row (inference): anchor [B], anchor_pos [B];
-    block_tokens [B, W] overrides the default [anchor, mask x (W - 1)]."""
+    block_tokens [B, W] overrides the default [anchor, mask x (W - 1)]; kernels: as `draft_blocks`."""
     tokens = block_inputs(cfg, anchor) if block_tokens is None else block_tokens
-    return draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor_pos[:, None], tokens[:, None])[:, 0]
+    return draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor_pos[:, None], tokens[:, None], kernels)[:, 0]
 
 
 def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:
@@ -206,6 +213,7 @@ class DFlash(Drafter):
     cfg: DFlashConfig | None = None
     target_cfg: ModelConfig | None = None  # the target's config (its embedding / LM head are shared)
     tree_budget: int = 0
+    kernels: str = "reference"  # the draft layers: "reference" | "pallas" | "auto" (see draft_blocks)
 
     @property
     def kind(self) -> str:  # type: ignore[override]
@@ -240,7 +248,8 @@ class DFlash(Drafter):
         """Per-draft logits [B, g, V] for the block after each row's anchor."""
         anchor_pos = ctx.length - 1
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
-        hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos)
+        hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos,
+                             kernels=self.kernels)
         return target_head(ctx.target_params, self.target_cfg, draft_slots(hidden, self.cfg))
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):

@@ -100,7 +100,8 @@ def attention_mask(
     return mask, key_valid
 
 
-def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, positions, cache_rows, ctx_len, tree_mask):
+def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, positions, cache_rows, ctx_len, tree_mask,
+           attention: str = "reference"):
     """One decoder layer. h [B, T, D]; k_cache/v_cache [B, S, Hkv, Dh] for this layer."""
     b, t, _ = h.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -123,18 +124,23 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, position
     k_cache = k_cache.at[batch_idx, cache_rows].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[batch_idx, cache_rows].set(v.astype(v_cache.dtype), mode="drop")
 
-    mask, key_valid = attention_mask(positions, cache_rows, ctx_len, k_cache.shape[1], tree_mask, window)
-    # Rows nobody may read are zeroed so that stale or NaN-filled memory cannot leak through 0 * NaN.
-    keys = jnp.where(key_valid[:, :, None, None], k_cache, 0).astype(q.dtype)
-    vals = jnp.where(key_valid[:, :, None, None], v_cache, 0).astype(q.dtype)
-    qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
-    scores = scores * (dh**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # A query with no visible key (only padding queries) gets zeros instead of NaN.
-    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals)
+    if tree_mask is not None and attention == "pallas":
+        from jspec.kernels import tree  # imported here: jspec.kernels imports this module
+
+        attn = tree.layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window)
+    else:
+        mask, key_valid = attention_mask(positions, cache_rows, ctx_len, k_cache.shape[1], tree_mask, window)
+        # Rows nobody may read are zeroed so that stale or NaN-filled memory cannot leak through 0 * NaN.
+        keys = jnp.where(key_valid[:, :, None, None], k_cache, 0).astype(q.dtype)
+        vals = jnp.where(key_valid[:, :, None, None], v_cache, 0).astype(q.dtype)
+        qg = q.reshape(b, t, hkv, hq // hkv, dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores * (dh**-0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        # A query with no visible key (only padding queries) gets zeros instead of NaN.
+        probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals)
     h = h + attn.reshape(b, t, hq * dh) @ lp["wo"]
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -158,6 +164,7 @@ def forward(
     cache_rows: jax.Array | None = None,
     tree_mask: jax.Array | None = None,
     taps: tuple[int, ...] = (),
+    attention: str = "reference",
 ) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
@@ -166,7 +173,13 @@ def forward(
     cache_rows [B, T]: rows that receive the new K/V (default: positions; trees use scratch rows).
     tree_mask [B, T, T] bool: new token i may attend to new token k (ancestors and itself); None =
     causal by position. taps: layer indices whose outputs are returned.
+    attention: "reference" | "pallas" | "auto" (jspec.kernels.resolve): with a tree_mask, "pallas" runs
+    the tree-attention kernel (the mask packed into a per-row ancestor bitmask); otherwise jnp.
     """
+    if attention != "reference":
+        from jspec.kernels import resolve  # imported here: jspec.kernels imports this module
+
+        attention = resolve(attention)
     if cache_rows is None:
         cache_rows = positions
     if ctx_len is None:
@@ -177,7 +190,8 @@ def forward(
 
     def body(h, xs):
         lp, k_l, v_l, window = xs
-        h, k_l, v_l = _layer(cfg, inv_freq, h, lp, k_l, v_l, window, positions, cache_rows, ctx_len, tree_mask)
+        h, k_l, v_l = _layer(cfg, inv_freq, h, lp, k_l, v_l, window, positions, cache_rows, ctx_len, tree_mask,
+                             attention)
         return h, (k_l, v_l, h if taps else None)
 
     h, (k, v, per_layer) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v, windows))

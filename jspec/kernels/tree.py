@@ -1,0 +1,285 @@
+"""Tree attention: T new tokens (a token tree's nodes) over the committed cache plus, among
+themselves, the keys a compact per-row bitmask allows (ancestors and the node itself).
+
+Contract (`ref_tree_attention` is the specification):
+    q [B, T, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; k_new, v_new [B, T, Hkv, Dh] (the new tokens'
+    own keys / values); positions [B, T] int32; ctx_len [B]: cache rows < ctx_len are committed, their
+    position is their row index; bits [B, T, ceil(T / 32)] int32: new key k is visible to query i iff
+    bit k % 32 of bits[b, i, k // 32] is set; window: int32 scalar, 0 = full attention, else a key
+    is visible iff key_pos > query_pos - window (applied to new keys too unless window_new=False).
+    Returns [B, T, Hq, Dh] in q's dtype; a query with no visible key gets zeros. Cache rows >= ctx_len
+    are never read into the result (NaN there cannot leak). Query head h reads KV head h // (Hq / Hkv).
+
+Kernels: "tpu" (Mosaic TPU: grid (batch, kv-head group, cache tile), the cache streamed tile by tile
+through the BlockSpec pipeline with tiles outside [window start, ctx_len) skipped without DMA, online
+softmax in VMEM scratch) and "portable" (one program per batch row walking the cache in an in-kernel
+loop; no scalar prefetch, scratch or row concatenation: the GPU variant, lowered through Triton). See
+jspec.kernels for selection.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.kernels import _tiles
+from jspec.kernels._backend import (kv_heads_per_step, pallas_setup, pow2_at_least, pow2_at_most, query_rows,
+                                    require_pow2, round_up)
+
+
+def pack_bits(mask: jax.Array) -> jax.Array:
+    """Dense visibility [..., T, N] bool -> bitmask [..., T, ceil(N / 32)] int32."""
+    n = mask.shape[-1]
+    words = -(-n // 32)
+    padded = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
+    bits = padded.reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)
+
+
+def unpack_bits(bits: jax.Array, n: int) -> jax.Array:
+    """Bitmask [..., T, W] int32 -> dense visibility [..., T, n] bool (the inverse of `pack_bits`)."""
+    k = jnp.arange(n)
+    return ((jnp.take(bits, k // 32, axis=-1) >> (k % 32)) & 1).astype(bool)
+
+
+def ref_tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, *,
+                       window_new: bool = True) -> jax.Array:
+    """Pure-jnp tree attention (the specification of the kernels; see the module docstring)."""
+    b, t, hq, dh = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    rows = jnp.arange(s)
+    committed = rows[None, :] < ctx_len[:, None]  # [B, S]
+    in_window = rows[None, None, :] > positions[:, :, None] - window
+    cache_vis = committed[:, None, :] & ((window == 0) | in_window)  # [B, T, S]
+    new_vis = unpack_bits(bits, t)  # [B, T, T]
+    if window_new:
+        new_vis = new_vis & ((window == 0) | (positions[:, None, :] > positions[:, :, None] - window))
+    keys = jnp.concatenate([jnp.where(committed[:, :, None, None], k_cache, 0).astype(q.dtype), k_new], axis=1)
+    vals = jnp.concatenate([jnp.where(committed[:, :, None, None], v_cache, 0).astype(q.dtype), v_new], axis=1)
+    mask = jnp.concatenate([cache_vis, new_vis], axis=2)
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
+    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals)
+    return out.reshape(b, t, hq, dh)
+
+
+def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, *,
+                   window_new: bool = True, impl: str | None = None, interpret: Any = None,
+                   block_k: int = 512, kv_heads: int | None = None) -> jax.Array:
+    """Tree attention by a Pallas kernel; same contract and result as `ref_tree_attention`.
+
+    impl / interpret: see `jspec.kernels.pallas_setup`. block_k: cache rows per tile (a multiple of 8;
+    the cache needs no padding: the TPU kernel's last tile overhangs and is masked, the portable
+    kernel shifts its last tile back inside). kv_heads: KV heads per grid step on TPU (default: the
+    fewest whose lanes are a multiple of 128)."""
+    impl, interpret = pallas_setup(impl, interpret)
+    b, t, hq, dh = q.shape
+    if impl == "portable" and not interpret:
+        require_pow2(head_dim=dh)
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    window = jnp.asarray(window, jnp.int32)
+    tp = query_rows(t, impl)  # padded rows see no new key and are dropped
+    lo = jnp.where(window > 0, jnp.maximum(jnp.min(positions, axis=1) - window + 1, 0), 0).astype(jnp.int32)
+    hi = ctx_len.astype(jnp.int32)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
+    qf = pad(q).reshape(b, tp, hq * dh)
+    knf, vnf = (pad(x.astype(q.dtype)).reshape(b, tp, hkv * dh) for x in (k_new, v_new))
+    pos = jnp.pad(positions.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
+    words = bits.shape[-1] if impl == "tpu" else pow2_at_least(bits.shape[-1])  # GPU: power-of-two shapes
+    bits = jnp.pad(pad(bits.astype(jnp.int32)), [(0, 0), (0, 0), (0, words - bits.shape[-1])])
+    kc, vc = (x.reshape(b, s, hkv * dh) for x in (k_cache, v_cache))
+    common = dict(group=group, dh=dh, tp=tp, scale=dh**-0.5, window_new=window_new)
+    scalars = (lo, hi, window.reshape(1))
+    tensors = (qf, knf, vnf, pos[:, :, None], pos[:, None, :], bits, kc, vc)
+    if impl == "tpu":
+        hk = kv_heads or kv_heads_per_step(hkv, dh)
+        bk = min(round_up(block_k, 8), round_up(s, 8))
+        out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, **common)
+    else:
+        out = _portable_call(scalars, tensors, block_k=pow2_at_most(min(block_k, s)), interpret=interpret, **common)
+    return out[:, :t].reshape(b, t, hq, dh)
+
+
+def layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, **options):
+    """The attention of `transformer._layer` in a tree pass, by the kernel: [B, T, Hq, Dh].
+
+    q [B, T, Hq, Dh]; k, v [B, T, Hkv, Dh]: the new tokens' keys / values; k_cache, v_cache
+    [B, S, Hkv, Dh] with those already written at cache_rows [B, T]; tree_mask [B, T, T] dense, packed
+    here into the bitmask. Contract (every jspec tree pass): cache_rows >= ctx_len, so new tokens
+    never overwrite committed rows. options: as `tree_attention`."""
+    s = k_cache.shape[1]
+    # A new token whose row fell outside the cache was dropped by the write: the reference cannot see it.
+    written = (cache_rows >= 0) & (cache_rows < s)
+    bits = pack_bits(tree_mask & written[:, None, :])
+    # The reference reads new keys back from the cache, so round them through its dtype the same way.
+    k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    return tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, **options)
+
+
+def _stack_heads(q_ref, c: int, group: int, dh: int) -> jax.Array:
+    """Query rows of KV head c's group heads stacked [group * T, Dh]: one matmul per KV head (TPU)."""
+    return jnp.concatenate([q_ref[:, (c * group + g) * dh:(c * group + g + 1) * dh] for g in range(group)], axis=0)
+
+
+def _new_visibility(bits_ref, pos_col, pos_row, window, tp: int, window_new: bool, group: int = 1):
+    """[group * T, T] visibility of the new keys to the queries, repeated for `group` stacked heads."""
+    vis = _tiles.unpack_bits(bits_ref, tp)
+    if window_new:
+        vis = vis & ((window == 0) | (pos_row > pos_col - window))
+    return jnp.concatenate([vis] * group, axis=0) if group > 1 else vis
+
+
+def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, bits_ref, kc_ref, vc_ref,
+                o_ref, q_s, m_s, l_s, acc_s, *, hk, group, dh, tp, block_k, num_tiles, scale, window_new):
+    b, j = pl.program_id(0), pl.program_id(2)
+    lo, hi, window = lo_ref[b], hi_ref[b], win_ref[0]
+    first, last = _tiles.context_tiles(lo, hi, block_k, num_tiles)
+    rows_stat = group * tp
+
+    def store(c, state):
+        m, l, acc = state
+        m_s[c] = jnp.broadcast_to(m, (rows_stat, _tiles.STAT_LANES))
+        l_s[c] = jnp.broadcast_to(l, (rows_stat, _tiles.STAT_LANES))
+        acc_s[c] = acc
+
+    def load(c):
+        return m_s[c][:, :1], l_s[c][:, :1], acc_s[c]
+
+    @pl.when(j == 0)
+    def _new_keys():
+        vis = _new_visibility(bits_ref, pc_ref[...], pr_ref[...], window, tp, window_new, group)
+        for c in range(hk):
+            q = _stack_heads(q_ref, c, group, dh)
+            q_s[c] = q
+            cols = slice(c * dh, (c + 1) * dh)
+            store(c, _tiles.attend(_tiles.init_stats(rows_stat, dh), q, kn_ref[:, cols], vn_ref[:, cols], vis, scale))
+
+    @pl.when((j >= first) & (j <= last) & (lo < hi))
+    def _cache_tile():
+        pos = jnp.concatenate([pc_ref[...]] * group, axis=0)  # [group * T, 1]
+        rows = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        vis = (rows < hi) & ((window == 0) | (rows > pos - window))
+        rows_c = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        readable = (rows_c >= lo) & (rows_c < hi)  # zero the rest: 0 * NaN would poison the sum
+        for c in range(hk):
+            cols = slice(c * dh, (c + 1) * dh)
+            v = jnp.where(readable, vc_ref[:, cols], 0).astype(q_s.dtype)
+            store(c, _tiles.attend(load(c), q_s[c], kc_ref[:, cols].astype(q_s.dtype), v, vis, scale))
+
+    @pl.when(j == num_tiles - 1)
+    def _finish():
+        for c in range(hk):
+            _, l, acc = load(c)
+            o = _tiles.finish(l, acc)
+            for g in range(group):
+                head = c * group + g
+                o_ref[:, head * dh:(head + 1) * dh] = o[g * tp:(g + 1) * tp].astype(o_ref.dtype)
+
+
+def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret):
+    qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
+    b, s, kv_lanes = kc.shape
+    hkv = kv_lanes // dh
+    num_tiles = -(-s // block_k)
+    words = bits.shape[-1]
+
+    def cache_map(bi, g, j, lo_ref, hi_ref, win_ref):
+        first, last = _tiles.context_tiles(lo_ref[bi], hi_ref[bi], block_k, num_tiles)
+        return bi, jnp.clip(j, first, last), g
+
+    row_map = lambda bi, g, j, *_: (bi, 0, g)
+    fixed = lambda bi, g, j, *_: (bi, 0, 0)
+    kernel = functools.partial(_tpu_kernel, hk=hk, group=group, dh=dh, tp=tp, block_k=block_k,
+                               num_tiles=num_tiles, scale=scale, window_new=window_new)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(b, hkv // hk, num_tiles),
+        in_specs=[
+            pl.BlockSpec((None, tp, hk * group * dh), row_map),
+            pl.BlockSpec((None, tp, hk * dh), row_map),
+            pl.BlockSpec((None, tp, hk * dh), row_map),
+            pl.BlockSpec((None, tp, 1), fixed),
+            pl.BlockSpec((None, 1, tp), fixed),
+            pl.BlockSpec((None, tp, words), fixed),
+            pl.BlockSpec((None, block_k, hk * dh), cache_map),
+            pl.BlockSpec((None, block_k, hk * dh), cache_map),
+        ],
+        out_specs=pl.BlockSpec((None, tp, hk * group * dh), row_map),
+        scratch_shapes=[
+            pltpu.VMEM((hk, group * tp, dh), qf.dtype),
+            pltpu.VMEM((hk, group * tp, _tiles.STAT_LANES), jnp.float32),
+            pltpu.VMEM((hk, group * tp, _tiles.STAT_LANES), jnp.float32),
+            pltpu.VMEM((hk, group * tp, dh), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(*scalars, *tensors)
+
+
+def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, bits_ref, kc_ref, vc_ref,
+                     o_ref, *, hkv, group, dh, tp, block_k, scale, window_new):
+    b = pl.program_id(0)
+    lo, hi, window = lo_ref[b], hi_ref[b], win_ref[0]
+    s = kc_ref.shape[0]
+    first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
+    vis_new = _new_visibility(bits_ref, pc_ref[...], pr_ref[...], window, tp, window_new)
+    pos = pc_ref[...]
+    # Per query head (no row stacking: GPU lowerings concatenate only along lanes).
+    qs = [q_ref[:, head * dh:(head + 1) * dh] for head in range(hkv * group)]
+    states = [_tiles.attend(_tiles.init_stats(tp, dh), q, kn_ref[:, (head // group) * dh:(head // group + 1) * dh],
+                            vn_ref[:, (head // group) * dh:(head // group + 1) * dh], vis_new, scale)
+              for head, q in enumerate(qs)]
+
+    def tile(i, states):
+        # The last tile is shifted back to end at row S (no read past the cache); rows it shares with
+        # the previous tile are masked so that no key is counted twice.
+        start = jnp.minimum(i * block_k, s - block_k)
+        rows = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        rows_c = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        vis = (rows >= i * block_k) & (rows < hi) & ((window == 0) | (rows > pos - window))
+        readable = (rows_c >= jnp.maximum(lo, i * block_k)) & (rows_c < hi)
+        out = []
+        for c in range(hkv):
+            cols = pl.ds(c * dh, dh)
+            k = kc_ref[pl.ds(start, block_k), cols].astype(q_ref.dtype)
+            v = jnp.where(readable, vc_ref[pl.ds(start, block_k), cols], 0).astype(q_ref.dtype)
+            out += [_tiles.attend(states[head], qs[head], k, v, vis, scale)
+                    for head in range(c * group, (c + 1) * group)]
+        return out
+
+    states = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, states)
+    for head, (_, l, acc) in enumerate(states):
+        o_ref[:, head * dh:(head + 1) * dh] = _tiles.finish(l, acc).astype(o_ref.dtype)
+
+
+def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, interpret):
+    qf = tensors[0]
+    b, s, kv_lanes = tensors[6].shape
+    kernel = functools.partial(_portable_kernel, hkv=kv_lanes // dh, group=group, dh=dh, tp=tp, block_k=block_k,
+                               scale=scale, window_new=window_new)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda bi: (0,) * x.ndim)
+    per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi: (bi,) + (0,) * (x.ndim - 1))
+    return pl.pallas_call(
+        kernel,
+        grid=(b,),
+        compiler_params=pltriton.CompilerParams(),
+        in_specs=[whole(x) for x in scalars] + [per_row(x) for x in tensors],
+        out_specs=per_row(qf),
+        out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
+        interpret=interpret,
+    )(*scalars, *tensors)
