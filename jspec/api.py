@@ -175,6 +175,7 @@ def generate(
     block_size: int = 4,
     tree_budget: int = 0,
     verify_budget=None,
+    kernels: str | None = None,
 ) -> GenerateResult:
     """Generate for a batch of token-id prompts of different lengths, in one compiled call.
 
@@ -184,6 +185,8 @@ def generate(
     verify_budget: None, "profile" (time the target's verify pass now and build the table), or a
     steps-per-second table (see jspec.decode.spec.SpecConfig.sps): the non-anticipating DSpark budget,
     for drafters that report confidences.
+    kernels: "reference", "pallas" or "auto" (jspec.kernels) for the DFlash/DSpark draft layers and the
+    tree verify attention; None keeps a Drafter instance's own setting and the reference attention.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
     """
@@ -220,7 +223,11 @@ def generate(
     else:
         dr, dparams = _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
         sps = _verify_budget(target, dr, verify_budget, len(prompts), cache_size)
-        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps)
+        if kernels not in (None, "reference", "pallas", "auto"):
+            raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
+        if kernels is not None and hasattr(dr, "kernels"):
+            dr = dataclasses.replace(dr, kernels=kernels)
+        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps, attention=kernels or "reference")
         start = time.perf_counter()
         state = spec.generate_spec(target.params, dparams, cfg, dr, scfg, *args)
         tokens, logprobs, length, st = jax.device_get(

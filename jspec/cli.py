@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none (plain autoregressive, the default with --target), lookup (prompt lookup), "
                          "PATH of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
                          "tokenizer, or builtin:NAME")
+    sp.add_argument("--kernels", default="reference", choices=["reference", "pallas", "auto"],
+                    help="draft-layer and tree-attention kernels (auto: Pallas on TPU/GPU, reference on CPU)")
     sp.add_argument("--verify-budget", action="store_true",
                     help="DSpark: profile the verify pass and verify only the drafts worth it (non-anticipating)")
     sp.add_argument("--compare", action="store_true",
@@ -100,7 +102,7 @@ def cmd_generate(args) -> int:
             return jspec.generate(target, [prompt], **kw)
         return jspec.generate(target, [prompt], drafter=d, verifier=args.verifier, block_size=args.block_size,
                               tree_budget=args.tree_budget, verify_budget="profile" if args.verify_budget else None,
-                              **kw)
+                              kernels=args.kernels, **kw)
 
     res = run(drafter)
     if compare:  # compile plain AR too, then time both side by side

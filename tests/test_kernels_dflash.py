@@ -73,3 +73,11 @@ def test_kernel_flag_resolution(setup):
     ctx = jnp.zeros((2, 1, 16, 2, 16))
     with pytest.raises(ValueError, match="unknown kernels setting 'fast'"):
         draft_block(dparams, dcfg, jnp.zeros((128, 64)), ctx, ctx, jnp.array([1]), jnp.array([3]), kernels="fast")
+
+
+def test_tree_verify_with_the_attention_kernel_equals_plain_decoding(setup):
+    target = setup[0]
+    kw = dict(max_new_tokens=12, sampling=SamplingParams(1.0), seeds=[1, 2, 3], eos_ids=[])
+    base = jspec.generate(target, PROMPTS, **kw)
+    res = jspec.generate(target, PROMPTS, drafter="lookup", tree_budget=6, verifier="gumbel", kernels="pallas", **kw)
+    assert res.tokens == base.tokens

@@ -49,6 +49,7 @@ class SpecConfig:
     decode: ar.DecodeConfig
     verifier: str = "greedy"
     sps: tuple[float, ...] | None = None
+    attention: str = "reference"  # tree verify passes: "reference" | "pallas" | "auto" (jspec.kernels)
 
 
 @jax.tree_util.register_dataclass
@@ -166,7 +167,8 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     pass_parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), prop.parent + 1], axis=1)
     hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, ctx_len=core.length - 1,
                                              cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent),
-                                             taps=drafter.taps, parent=pass_parent, keep_states=True)
+                                             taps=drafter.taps, parent=pass_parent, keep_states=True,
+                                             attention=scfg.attention)
     logits = tm.logits(params, cfg, hidden)
     logp = served_logprobs(logits, scfg.decode.sampling)
     if scfg.verifier == "greedy":

@@ -203,8 +203,11 @@ def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, positions
                        state.v.at[:, b_idx, rows].set(v.astype(state.v.dtype), mode="drop"))
 
 
-def target_head(target_params: dict, target_cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    return transformer.logits(target_params, target_cfg, hidden)
+def target_head(target_params: dict, target_cfg, hidden: jax.Array) -> jax.Array:
+    """The target's own LM head (dense or hybrid target)."""
+    from jspec.models import target as tm
+
+    return tm.logits(target_params, target_cfg, hidden)
 
 
 @register("dflash")
@@ -279,7 +282,8 @@ def validate_against_target(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
     if lc.vocab_size != target_cfg.vocab_size:
         problems.append(f"drafter vocabulary {lc.vocab_size} != target vocabulary {target_cfg.vocab_size}")
     if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
-        problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {target_cfg.vocab_size})")
+        problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+                        f"[0, {target_cfg.vocab_size})")
     if cfg.num_target_layers != target_cfg.num_layers:
         problems.append(f"num_target_layers {cfg.num_target_layers} != the target's {target_cfg.num_layers} layers")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers - 1]

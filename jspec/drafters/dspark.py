@@ -120,7 +120,8 @@ class DSpark(DFlash):
         """(hidden [B, g, H], unary logits U [B, g, V])."""
         anchor_pos = ctx.length - 1
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
-        hidden = draft_block(dparams, self.cfg, dparams["embed"], state.k, state.v, anchor, anchor_pos)
+        hidden = draft_block(dparams, self.cfg, dparams["embed"], state.k, state.v, anchor, anchor_pos,
+                             kernels=self.kernels)
         unary = jnp.einsum("bgh,hv->bgv", hidden, dparams["lm_head"], preferred_element_type=jnp.float32)
         return hidden, unary, anchor
 

@@ -26,15 +26,18 @@ def init_cache(cfg, batch: int, size: int, dtype=jnp.float32):
 
 
 def forward(params, cfg, tokens, positions, cache, *, ctx_len=None, cache_rows=None, tree_mask=None, taps=(),
-            parent=None, keep_states=False, lengths=None):
-    """(hidden [B, T, D], cache, taps or None, per-position recurrent states or None)."""
+            parent=None, keep_states=False, lengths=None, attention="reference"):
+    """(hidden [B, T, D], cache, taps or None, per-position recurrent states or None).
+
+    attention selects the tree-attention kernel of dense targets (jspec.kernels); hybrid targets use
+    their reference attention."""
     if is_hybrid(cfg):
         out = hybrid.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
                              tree_mask=tree_mask, taps=taps, parent=parent if keep_states else None,
                              keep_states=keep_states, lengths=None if keep_states else lengths)
         return out.hidden, out.cache, out.taps, out.states
     out = transformer.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
-                              tree_mask=tree_mask, taps=taps)
+                              tree_mask=tree_mask, taps=taps, attention=attention)
     return out.hidden, out.cache, out.taps, None
 
 
