@@ -136,3 +136,24 @@ def test_eos_mid_block_and_rows_finishing_early():
     assert int(plain.length[0]) - lens[0] <= 6  # row 0 stopped at the EOS, inside a block of 4
     np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
     _assert_same_state(st.core, plain, plain.length)
+
+
+@pytest.mark.parametrize("family, tree_budget", [("qwen3_next", 0), ("qwen3_5", 5)])
+def test_dflash_drafter_on_a_hybrid_target(family, tree_budget):
+    """DFlash reads the hybrid target's taps and LM head; greedy and Gumbel output stay exact."""
+    import jax
+
+    from jspec.drafters.dflash import DFlash, DFlashConfig, init_params
+    from jspec.models.config import ModelConfig
+
+    target = _target(family)
+    c = target.cfg
+    layers = ModelConfig(family="qwen3", vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    cfg = DFlashConfig(layers=layers, target_layer_ids=(0, 2), num_target_layers=c.num_layers, mask_token_id=0,
+                       block_size=4)
+    drafter = (DFlash(cfg=cfg, target_cfg=c, tree_budget=tree_budget), init_params(cfg, jax.random.key(0), std=0.3))
+    for sampling, verifier in [(SamplingParams(0.0), "greedy"), (SamplingParams(1.0), "gumbel")]:
+        kwargs = dict(max_new_tokens=NEW, sampling=sampling, seeds=[1, 2, 3], eos_ids=[])
+        base = jspec.generate(target, PROMPTS, **kwargs)
+        assert jspec.generate(target, PROMPTS, drafter=drafter, verifier=verifier, **kwargs).tokens == base.tokens
