@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench builtin clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ test: $(VENV)/.test
 bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop
 	$(PY) -m jspec.benchmarks.verify_cost
+
+# Retrain the built-in models from configs/ (about an hour on 2 CPU cores) and install them.
+builtin: $(VENV)/.base
+	$(VENV)/bin/jspec train target --config configs/code-target.json --out runs/code-target
+	$(VENV)/bin/jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
+	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark
+	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache
