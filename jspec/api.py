@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import parallel
 from jspec.decode import ar, spec
 from jspec.drafters.base import REGISTRY, Drafter
 from jspec.io.hf import load_params
@@ -176,6 +177,7 @@ def generate(
     tree_budget: int = 0,
     verify_budget=None,
     kernels: str | None = None,
+    mesh=None,
 ) -> GenerateResult:
     """Generate for a batch of token-id prompts of different lengths, in one compiled call.
 
@@ -189,6 +191,11 @@ def generate(
     tree verify attention; None keeps a Drafter instance's own setting and the reference attention.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
+    mesh: None (one device, or the mesh of an enclosing `jspec.parallel.use_mesh` block), or a
+    jax.sharding.Mesh from jspec.parallel.make_mesh: the target and drafter parameters are placed by
+    jspec.parallel's rules (tensor parallel over `model`), the batch over `data` x `fsdp` (the number
+    of prompts must divide by it), and the same compiled loop runs SPMD over the mesh, on one host or
+    many (every process calls generate with the same arguments; each gets the whole result).
     """
     cfg = target.cfg
     if not isinstance(sampling, SamplingParams):
@@ -210,13 +217,19 @@ def generate(
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
     dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos)
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
+    params, fetch = target.params, jax.device_get
+    mesh = parallel.active_mesh() if mesh is None else mesh
+    if mesh is not None:
+        params = parallel.place_target(target, mesh).params
+        args = parallel.shard_batch((packed, lens, seeds.astype(np.uint32)), mesh)
+        fetch = parallel.to_host
 
     if drafter is None or drafter == "none":
         if verifier not in (None, "greedy", "gumbel") or tree_budget:
             raise ValueError("plain autoregressive decoding (no drafter) takes no verifier or tree budget")
         start = time.perf_counter()
-        state = ar.generate_ar(target.params, cfg, dcfg, *args)
-        tokens, logprobs, length, steps = jax.device_get((state.tokens, state.logprobs, state.length, state.steps))
+        state = ar.generate_ar(params, cfg, dcfg, *args)
+        tokens, logprobs, length, steps = fetch((state.tokens, state.logprobs, state.length, state.steps))
         wall = time.perf_counter() - start
         rounds = int(steps)
         stats = {"rounds": rounds, "tau": 1.0, "accepted_per_position": []}
@@ -228,9 +241,11 @@ def generate(
         if kernels is not None and hasattr(dr, "kernels"):
             dr = dataclasses.replace(dr, kernels=kernels)
         scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps, attention=kernels or "reference")
+        if mesh is not None:
+            dparams = parallel.place_drafter(dr, dparams, mesh)
         start = time.perf_counter()
-        state = spec.generate_spec(target.params, dparams, cfg, dr, scfg, *args)
-        tokens, logprobs, length, st = jax.device_get(
+        state = spec.generate_spec(params, dparams, cfg, dr, scfg, *args)
+        tokens, logprobs, length, st = fetch(
             (state.core.tokens, state.core.logprobs, state.core.length, state.stats))
         wall = time.perf_counter() - start
         rounds = int(st.rounds.sum())
