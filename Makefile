@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.11:
-#   make demo   creates .venv, installs jspec, runs the main job
+#   make demo   creates .venv, installs jspec, runs the main job (the built-in models, speculative vs AR)
 #   make test   creates .venv, installs jspec with its test extra, runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(VENV)/bin/jspec demo
+	$(VENV)/bin/jspec generate
 
 test: $(VENV)/.test
 	$(PY) -m pytest
