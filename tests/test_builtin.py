@@ -1,0 +1,40 @@
+"""The shipped built-in models: they load by name and reach their acceptance on held-out files."""
+
+from __future__ import annotations
+
+import pytest
+
+import jspec
+from jspec.benchmarks.tau_table import held_out_prompts
+from jspec.verify.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = jspec.load_target("builtin:code-target")
+    return target, held_out_prompts(target, 32, 48)
+
+
+def _tau(target, prompts, drafter, sampling, verifier):
+    res = jspec.generate(target, prompts, max_new_tokens=128, sampling=sampling, seeds=0, eos_ids=[],
+                         drafter=drafter, verifier=verifier)
+    return res.stats["tau"]
+
+
+def test_dflash_greedy_tau_at_block_8(setup):
+    """32 held-out prompts x 128 tokens, greedy (deterministic): tau >= 3.0 at block 8."""
+    target, prompts = setup
+    assert _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy") >= 3.0
+
+
+def test_dspark_beats_dflash_at_temperature_1(setup):
+    """Same prompts, T = 1, speculative sampling, fixed seeds."""
+    target, prompts = setup
+    spark = _tau(target, prompts, "builtin:code-dspark", SamplingParams(1.0), "speculative")
+    flash = _tau(target, prompts, "builtin:code-dflash", SamplingParams(1.0), "speculative")
+    assert spark > flash
+
+
+def test_unknown_builtin_is_named():
+    with pytest.raises(FileNotFoundError, match="no built-in model 'nope'.*code-dflash"):
+        jspec.load_target("builtin:nope")
