@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Test models are tiny: compile time dominates, and LLVM -O0 roughly halves XLA's CPU compile time.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
