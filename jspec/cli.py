@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=None, help="stop at this step (default: the config's)")
     tr.add_argument("--no-progress", action="store_true")
 
+    from jspec.bench.cli import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="measure acceptance, speed and cost of speculative decoding side by side "
+                                         "with plain AR and Hugging Face transformers; JSON report and PNG plots")
+    add_bench_arguments(bench)
+
     demo = sub.add_parser("demo", help="create a small random model in HF format, reload it and generate")
     demo.add_argument("--out", default="demo_out/model", help="where to write the demo checkpoint")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -178,10 +184,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from jspec.bench.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "train": cmd_train, "demo": cmd_demo}[args.command](args)
+        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"jspec: error: {err}", file=sys.stderr)
         return 2

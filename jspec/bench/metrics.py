@@ -1,0 +1,89 @@
+"""Acceptance and rate summaries: pure functions over loop counters and wall times (DESIGN.md, "Measuring").
+
+Counters are those of `jspec.decode.spec.SpecStats` summed over prompts (as `jspec.generate` reports
+them): rounds, committed tokens (the prefill's first token excluded), the histogram of accepted counts
+and per_position[i] = rounds whose draft at depth i + 1 was accepted. Rates are pooled: sum of tokens /
+sum of time, never a mean of ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def acceptance(rounds: int, committed: int, hist: Sequence[int], per_position: Sequence[int],
+               verified: int) -> dict:
+    """tau, the accepted-length histogram, per-position conditional acceptance and the survival curve.
+
+    tau = committed / rounds (tokens one round commits: accepted drafts + 1 correction or bonus, cut at
+    the token budget). conditional[i] = P(draft i + 1 accepted | drafts <= i accepted)
+    = per_position[i] / per_position[i - 1] with per_position[-1] := rounds (None where no round got
+    that far). survival[i] = S(i + 1) = per_position[i] / rounds, the share of rounds accepting more
+    than i drafts: non-increasing, since a round that accepts draft i + 1 accepted draft i.
+    """
+    if rounds < 1:
+        raise ValueError("acceptance needs at least one round: raise max_new_tokens above 1")
+    conditional = []
+    previous = rounds
+    for count in per_position:
+        conditional.append(count / previous if previous else None)
+        previous = count
+    return {
+        "rounds": int(rounds),
+        "committed": int(committed),
+        "tau": committed / rounds,
+        "accept_hist": [int(h) for h in hist],
+        "accepted_per_position": [int(k) for k in per_position],
+        "conditional_acceptance": conditional,
+        "survival": [k / rounds for k in per_position],
+        "verified": int(verified),
+    }
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median, min and max of per-repeat values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def decode_timing(call_s: Sequence[Sequence[float]], prefill_s: Sequence[Sequence[float]],
+                  tokens: Sequence[Sequence[int]]) -> dict:
+    """Pooled decode rate from per-(repeat, prompt) wall times.
+
+    call_s[r][p]: one generation call of max_new_tokens; prefill_s[r][p]: the part of that call before
+    its first round (prefill, drafter set-up, the first token); tokens[r][p]: tokens committed after the
+    first one. decode = call - prefill. tokens_per_s = sum tokens / sum decode over
+    every prompt and repeat; per_repeat pools over prompts within one repeat.
+    """
+    decode = [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(call_s, prefill_s)]
+    rates = [sum(tr) / sum(dr) for tr, dr in zip(tokens, decode)]
+    total_tokens = sum(sum(tr) for tr in tokens)
+    total_decode = sum(sum(dr) for dr in decode)
+    return {
+        "call_s": [list(map(float, r)) for r in call_s],
+        "prefill_s": [list(map(float, r)) for r in prefill_s],
+        "tokens": [list(map(int, r)) for r in tokens],
+        "decode_s_total": total_decode,
+        "prefill_s_total": float(sum(sum(r) for r in prefill_s)),
+        "tokens_total": int(total_tokens),
+        "tokens_per_s": total_tokens / total_decode,
+        "tokens_per_s_repeats": spread(rates),
+    }
+
+
+def speedup(ar: dict, spec: dict) -> dict:
+    """Plain-AR decode time / speculative decode time of the same run (both `decode_timing` records over
+    the same prompts and repeats); per-repeat ratios give the spread."""
+    per_repeat = [sum(a) / sum(s) for a, s in zip(_decode_rows(ar), _decode_rows(spec))]
+    return {"value": ar["decode_s_total"] / spec["decode_s_total"], "ar_decode_s": ar["decode_s_total"],
+            "decode_s": spec["decode_s_total"], "repeats": spread(per_repeat)}
+
+
+def _decode_rows(timing: dict) -> list[list[float]]:
+    return [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(timing["call_s"], timing["prefill_s"])]
+
+
+def loop_overhead(round_s: float, verify_s: float, draft_s: float) -> float:
+    """Share of a round spent outside the verify pass and the drafter pass (may be slightly negative from
+    timing noise: the components are timed in their own compiled loops)."""
+    return (round_s - verify_s - draft_s) / round_s

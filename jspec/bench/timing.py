@@ -1,0 +1,143 @@
+"""Timed intervals of a bench run.
+
+- A generation call: `jspec.generate` on one prompt, timed by its own `stats["wall_s"]`: the compiled
+  generation (prefill, drafter set-up, the decode loop) and the copy of its results to the host; input
+  packing and validation excluded.
+- Its prefill interval: what the compiled loop runs before its first round (the target prefill, which
+  also chooses the first new token, and `Drafter.init`), jitted on its own with the same shapes and
+  cache rows, up to its result being ready. decode = call - prefill: the rounds.
+- The verify pass T(n): `jspec.decode.profile.verify_pass_seconds`, one target pass over the anchor and
+  n drafts for one row, inside a compiled loop (no dispatch cost); T(0) is one target token step.
+- The drafter pass: one `Drafter.propose` for one row, inside a compiled loop the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec.api import pack_prompts
+from jspec.decode import ar, profile
+from jspec.drafters.base import DraftContext, Drafter, PrefillInfo
+from jspec.verify.sampling import SamplingParams
+
+INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
+
+
+@functools.lru_cache(maxsize=None)
+def loop_setup(cfg, drafter: Drafter | None, dcfg: ar.DecodeConfig):
+    """Jitted f(params, dparams, prompts, prompt_len, seeds) -> (loop state, drafter state): what
+    `jspec.decode.ar` / `jspec.decode.spec` run before their first round, with the same cache rows (a
+    drafter's verify width is allocated as scratch rows) and the drafter's taps. Cached on its static
+    arguments, like the loops' own jit, so every method sharing them shares one compile."""
+    if drafter is None:
+        return jax.jit(lambda params, dparams, prompts, plen, seeds: (
+            ar.prefill(params, cfg, dcfg, prompts, plen, seeds)[0], ()))
+    width = drafter.num_drafts + 1
+    dcfg = dataclasses.replace(dcfg, scratch_rows=width)
+
+    @jax.jit
+    def setup(params, dparams, prompts, plen, seeds):
+        core, taps = ar.prefill(params, cfg, dcfg, prompts, plen, seeds, taps=drafter.taps)
+        return core, drafter.init(dparams, PrefillInfo(prompts, plen, taps), dcfg.cache_size + width)
+
+    return setup
+
+
+class Runner:
+    """One decoding method of the run: plain AR (drafter None) or a prepared (Drafter, params) pair with
+    its verifier. All runners share the target, cache size, seeds and `eos_ids=[]` (every call generates
+    exactly max_new_tokens, so AR and speculative calls commit the same number of tokens)."""
+
+    def __init__(self, label: str, target, temperature: float, cache_size: int, drafter=None, verifier=None):
+        self.label, self.target, self.cache_size = label, target, cache_size
+        self.sampling = SamplingParams(temperature)
+        self.drafter, self.verifier = drafter, verifier
+
+    def call(self, prompt, max_new_tokens: int, seed: int) -> jspec.GenerateResult:
+        kw = dict(max_new_tokens=max_new_tokens, sampling=self.sampling, seeds=[seed], cache_size=self.cache_size,
+                  eos_ids=[])
+        if self.drafter is None:
+            return jspec.generate(self.target, [prompt], **kw)
+        return jspec.generate(self.target, [prompt], drafter=self.drafter, verifier=self.verifier, **kw)
+
+    def prefill_seconds(self, prompt, max_new_tokens: int, seed: int) -> float:
+        """Wall time of the loop's set-up for `call(prompt, max_new_tokens, seed)` (compiled on first use)."""
+        dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=self.cache_size, sampling=self.sampling)
+        setup = loop_setup(self.target.cfg, None if self.drafter is None else self.drafter[0], dcfg)
+        packed, lens = pack_prompts([prompt], self.target.cfg.vocab_size)
+        args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray([seed], jnp.uint32))
+        dparams = () if self.drafter is None else self.drafter[1]
+        t0 = time.perf_counter()
+        jax.block_until_ready(setup(self.target.params, dparams, *args))
+        return time.perf_counter() - t0
+
+
+def _median_per_call(run, args, repeats: int) -> float:
+    jax.block_until_ready(run(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append((time.perf_counter() - t0) / INNER)
+    return statistics.median(times)
+
+
+def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: int) -> float:
+    """T(drafts) for one row with `context` committed rows, in a cache of cache_size + drafts + 1 rows
+    (the rows the speculative loop allocates for that width)."""
+    return profile.verify_pass_seconds(target.params, target.cfg, 1, drafts, context, cache_size + drafts + 1,
+                                       repeats)
+
+
+def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cache_size: int, repeats: int) -> float:
+    """Median seconds of one `drafter.propose` for one row whose committed text is `context_tokens`.
+
+    The drafter state comes from the loop's own set-up (target prefill with the drafter's taps, then
+    `drafter.init`); INNER proposals then run in one compiled loop, each call's first draft becoming the
+    next call's anchor, so no call is loop-invariant and none is optimised away.
+    """
+    cfg = target.cfg
+    dcfg = ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=drafter.sampling)
+    packed, lens = pack_prompts([list(context_tokens)], cfg.vocab_size)
+    if packed.shape[1] >= cache_size:
+        raise ValueError(f"a context of {packed.shape[1]} tokens does not fit the cache of {cache_size} rows")
+    setup = loop_setup(cfg, drafter, dcfg)
+
+    @jax.jit
+    def loop(params, dparams, dstate, tokens, length, seeds):
+        rows = jnp.arange(tokens.shape[0])
+
+        def step(_, carry):
+            dstate, tokens = carry
+            prop, dstate = drafter.propose(dparams, dstate, DraftContext(tokens, length, seeds, params))
+            return dstate, tokens.at[rows, length - 1].set(prop.tokens[:, 0])
+
+        return jax.lax.fori_loop(0, INNER, step, (dstate, tokens))[1]
+
+    seeds = jnp.zeros((1,), jnp.uint32)
+    core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
+    return _median_per_call(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds), repeats)
+
+
+def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Measured device memory bandwidth in bytes/s: one compiled elementwise pass that reads and writes an
+    array of `nbytes` in place (2 * nbytes moved), median of repeats; the array is large enough that the
+    dispatch cost is a small share."""
+    step = jax.jit(lambda x: x + np.float32(1.0), donate_argnums=0)
+    x = step(jnp.zeros((max(nbytes // 4, 1024),), jnp.float32))
+    x.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = step(x)
+        x.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * x.size * 4 / statistics.median(times)
