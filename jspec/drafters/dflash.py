@@ -125,45 +125,15 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     if use_pallas(kernels):
         return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
-    b, a, w = block_tokens.shape
-    h = embed[block_tokens].reshape(b, a * w, -1)
-    positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
-    inv_freq = jnp.asarray(default_rope_inv_freq(lc))
-    s = ctx_k.shape[2]
-    rows = jnp.arange(s)
-    q_anchor = jnp.repeat(anchor_pos, w, axis=1)  # [B, A*W] each query's anchor
-    visible = rows[None, None, :] < q_anchor[:, :, None]  # [B, A*W, S]
-    any_visible = rows[None, :] < jnp.max(anchor_pos, axis=1)[:, None]  # [B, S]
-    group = jnp.repeat(jnp.arange(a), w)
-    same_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * w, a * w))
+    h = embed[block_tokens]  # [B, A, W, D]
     windows = jnp.asarray(lc.windows, jnp.int32)
-    hq, hkv, dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
-    t = a * w
 
-    def layer(h, xs):
+    def layer(h, xs):  # the kernels' pure-jnp reference is the one definition of a draft layer
         lp, kc, vc, window = xs
-        x = transformer.rms_norm(h, lp["attn_norm"], lc.rms_norm_eps)
-        q = (x @ lp["wq"]).reshape(b, t, hq, dh)
-        kb = (x @ lp["wk"]).reshape(b, t, hkv, dh)
-        vb = (x @ lp["wv"]).reshape(b, t, hkv, dh)
-        q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], lc.rms_norm_eps), positions, inv_freq)
-        kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
-        in_window = rows[None, None, :] >= positions[:, :, None] - (window - 1)
-        ctx_mask = visible & ((window == 0) | in_window)
-        keys = jnp.concatenate([jnp.where(any_visible[:, :, None, None], kc, 0), kb], axis=1)
-        vals = jnp.concatenate([jnp.where(any_visible[:, :, None, None], vc, 0), vb], axis=1)
-        mask = jnp.concatenate([ctx_mask, same_block], axis=2)
-        qg = q.reshape(b, t, hkv, hq // hkv, dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
-        probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, t, hq * dh)
-        h = h + attn @ lp["wo"]
-        x = transformer.rms_norm(h, lp["mlp_norm"], lc.rms_norm_eps)
-        h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
-        return h, None
+        return fused_draft.ref_draft_layer(h, lp, kc, vc, anchor_pos, window, lc), None
 
     h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v, windows))
-    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps).reshape(b, a, w, -1)
+    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
 
 
 def block_inputs(cfg: DFlashConfig, anchor_tokens: jax.Array) -> jax.Array:
