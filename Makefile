@@ -19,12 +19,10 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 demo: $(VENV)/.base
 	$(VENV)/bin/jspec generate
 
-# The suite runs in four processes: XLA's CPU compiler crashed after a few hundred compilations in
-# a single process (in a test that passes on its own), so each process stays smaller.
-TEST_GROUPS := "tests/test_[a-g]*.py" "tests/test_[h-k]*.py" "tests/test_[l-r]*.py" "tests/test_[s-z]*.py"
-
+# The suite runs in four worker processes (pytest-xdist, a test file per worker at a time): tiny models
+# are compile-bound, and XLA's CPU compiler once crashed after many hundred compilations in one process.
 test: $(VENV)/.test
-	@for group in $(TEST_GROUPS); do $(PY) -m pytest $$(ls $$group) || exit 1; done
+	$(PY) -m pytest -n 4 --dist loadfile
 
 bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop

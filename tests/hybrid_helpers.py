@@ -104,11 +104,8 @@ def loaded(family: str) -> tuple[H.HybridConfig, dict]:
     return load_hybrid_params(checkpoint(family)[0])
 
 
-# Tiny models run in well under a millisecond either way; LLVM -O0 halves XLA's CPU compile time.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-forward = jax.jit(H.forward, static_argnums=(1,), static_argnames=("taps", "keep_states", "gdn_impl", "chunk_size"),
-                  compiler_options=FAST_COMPILE)
-logits = jax.jit(H.logits, static_argnums=(1,), compiler_options=FAST_COMPILE)
+forward = jax.jit(H.forward, static_argnums=(1,), static_argnames=("taps", "keep_states", "gdn_impl", "chunk_size"))
+logits = jax.jit(H.logits, static_argnums=(1,))
 
 
 def run(cfg, params, tokens, positions, cache, **kw) -> tuple[np.ndarray, H.HybridForwardOut]:

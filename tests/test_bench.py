@@ -75,6 +75,10 @@ def test_acceptance_is_consistent(bench):
         assert c["outputs_equal_ar"] is True  # greedy speculative decoding emits plain greedy decoding's tokens
 
 
+def _repeat_decode(timing: dict) -> list[float]:
+    return [sum(c) - sum(p) for c, p in zip(timing["call_s"], timing["prefill_s"])]
+
+
 def test_rates_and_speedup_are_consistent(bench):
     rep, _ = bench
     ar = rep["ar"][0]["timing"]
@@ -87,8 +91,12 @@ def test_rates_and_speedup_are_consistent(bench):
         sp = c["speedup"]
         assert sp["value"] == pytest.approx(ar["decode_s_total"] / t["decode_s_total"])
         assert sp["ar_decode_s"] == ar["decode_s_total"] and sp["decode_s"] == t["decode_s_total"]
-        # A ratio of sums lies within the per-repeat ratios.
-        assert sp["repeats"]["min"] * (1 - 1e-9) <= sp["value"] <= sp["repeats"]["max"] * (1 + 1e-9)
+        # Repeats whose decode time (call - separately timed prefill) is not positive are counted; with
+        # none, the per-repeat ratios bound the pooled one (a ratio of sums of positive times is their mediant).
+        pairs = list(zip(_repeat_decode(ar), _repeat_decode(t)))
+        assert sp["noisy_repeats"] == sum(1 for a, s in pairs if a <= 0 or s <= 0)
+        if sp["noisy_repeats"] == 0:
+            assert sp["repeats"]["min"] * (1 - 1e-9) <= sp["value"] <= sp["repeats"]["max"] * (1 + 1e-9)
         cost = c["cost"]
         assert cost["c"] == pytest.approx(cost["draft_s"] / rep["verify_curve"]["seconds"][0])
         assert cost["loop_overhead"] == pytest.approx(1 - (cost["verify_s"] + cost["draft_s"]) / cost["round_s"])

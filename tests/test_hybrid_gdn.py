@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_helpers import FAST_COMPILE
 from jspec.models import gdn
 
 B, H, DK, DV, C, K = 2, 4, 8, 8, 6, 4
@@ -61,9 +60,9 @@ def ref_conv(x, window, w):
     return y, np.stack([hist[t + 1 : t + kk] for t in range(x.shape[0])])
 
 
-recurrent = jax.jit(gdn.gdn_recurrent, static_argnames=("keep_states",), compiler_options=FAST_COMPILE)
-chunked = jax.jit(gdn.gdn_chunked, static_argnames=("chunk_size",), compiler_options=FAST_COMPILE)
-conv = jax.jit(gdn.causal_conv, static_argnames=("keep_windows",), compiler_options=FAST_COMPILE)
+recurrent = jax.jit(gdn.gdn_recurrent, static_argnames=("keep_states",))
+chunked = jax.jit(gdn.gdn_chunked, static_argnames=("chunk_size",))
+conv = jax.jit(gdn.causal_conv, static_argnames=("keep_windows",))
 
 
 @pytest.mark.parametrize("t, chunk", [(21, 4), (21, 8), (5, 64)])

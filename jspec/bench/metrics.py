@@ -73,10 +73,18 @@ def decode_timing(call_s: Sequence[Sequence[float]], prefill_s: Sequence[Sequenc
 
 def speedup(ar: dict, spec: dict) -> dict:
     """Plain-AR decode time / speculative decode time of the same run (both `decode_timing` records over
-    the same prompts and repeats); per-repeat ratios give the spread."""
-    per_repeat = [sum(a) / sum(s) for a, s in zip(_decode_rows(ar), _decode_rows(spec))]
+    the same prompts and repeats); per-repeat ratios give the spread.
+
+    decode = call - prefill, with the prefill timed in a call of its own, so on a busy machine a short
+    repeat can come out at <= 0 s. Such a repeat has no meaningful ratio: it is left out of the spread
+    and counted in `noisy_repeats` (the report marks the row); with none, the pooled value lies inside
+    the per-repeat range (a ratio of sums of positive times is a mediant of the per-repeat ratios).
+    """
+    pairs = [(sum(a), sum(s)) for a, s in zip(_decode_rows(ar), _decode_rows(spec))]
+    per_repeat = [a / s for a, s in pairs if a > 0 and s > 0]
     return {"value": ar["decode_s_total"] / spec["decode_s_total"], "ar_decode_s": ar["decode_s_total"],
-            "decode_s": spec["decode_s_total"], "repeats": spread(per_repeat)}
+            "decode_s": spec["decode_s_total"], "repeats": spread(per_repeat) if per_repeat else None,
+            "noisy_repeats": len(pairs) - len(per_repeat)}
 
 
 def _decode_rows(timing: dict) -> list[list[float]]:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 
 def _speedup(sp: dict) -> str:
-    """Pooled speedup with the range of per-repeat speedups (a ratio of sums lies inside that range)."""
+    """Pooled speedup with the range of per-repeat speedups (a ratio of sums lies inside that range);
+    repeats whose decode time came out <= 0 (timing noise larger than the decode) are named."""
     r = sp["repeats"]
-    return f"{sp['value']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+    text = f"{sp['value']:.2f}x" + (f" ({r['min']:.2f}-{r['max']:.2f})" if r else "")
+    if sp["noisy_repeats"]:
+        text += f" [{sp['noisy_repeats']} repeat(s) with decode <= 0 s: timing noise, use more tokens]"
+    return text
 
 
 def _pct(x: float | None) -> str:
