@@ -80,16 +80,6 @@ class Runner:
         return time.perf_counter() - t0
 
 
-def _median_per_call(run, args, repeats: int) -> float:
-    jax.block_until_ready(run(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times)
-
-
 def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: int) -> float:
     """T(drafts) for one row with `context` committed rows, in a cache of cache_size + drafts + 1 rows
     (the rows the speculative loop allocates for that width)."""
@@ -124,7 +114,8 @@ def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cach
 
     seeds = jnp.zeros((1,), jnp.uint32)
     core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
-    return _median_per_call(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds), repeats)
+    return profile.median_seconds(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds), repeats,
+                                  INNER)
 
 
 def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:

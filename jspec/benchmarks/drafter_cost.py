@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +34,7 @@ def draft_seconds(params, dparams, cfg: dfl.DFlashConfig, context: int, repeats:
         return jnp.argmax(h[:, -1] @ params["embed"].T, axis=-1).astype(jnp.int32)
 
     run = jax.jit(lambda a: jax.lax.fori_loop(0, INNER, step, a))
-    a = jnp.array([1], jnp.int32)
-    run(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(a).block_until_ready()
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times)
+    return profile.median_seconds(run, (jnp.array([1], jnp.int32),), repeats, INNER)
 
 
 def main(argv=None) -> None:

@@ -12,12 +12,11 @@ Also prints the per-row memory of both strategies for a Qwen3-Next-80B-shaped GD
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from jspec.decode.profile import median_seconds
 from jspec.models import hybrid
 
 INNER = 16
@@ -27,16 +26,6 @@ SMALL = hybrid.HybridConfig(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
     linear_conv_kernel_dim=4, intermediate_size=768, tie_word_embeddings=True,
 )
-
-
-def _time(fn, *args, repeats=5) -> float:
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(out)
 
 
 def main(argv=None) -> None:
@@ -65,8 +54,9 @@ def main(argv=None) -> None:
         return again.cache, jnp.argmax(hybrid.logits(params, cfg, out.hidden), -1).astype(jnp.int32)
 
     tok = jnp.zeros((1, t), jnp.int32)
-    a = _time(jax.jit(lambda c, x: jax.lax.fori_loop(0, INNER, per_position, (c, x))[1]), cache, tok)
-    b = _time(jax.jit(lambda c, x: jax.lax.fori_loop(0, INNER, replay, (c, x))[1]), cache, tok)
+    a = median_seconds(jax.jit(lambda c, x: jax.lax.fori_loop(0, INNER, per_position, (c, x))[1]), (cache, tok),
+                       calls=INNER)
+    b = median_seconds(jax.jit(lambda c, x: jax.lax.fori_loop(0, INNER, replay, (c, x))[1]), (cache, tok), calls=INNER)
     print(f"small Qwen3-Next-shaped model (d {cfg.hidden_size}, 3 GDN + 1 attention layers), verify pass of "
           f"1 + {args.drafts} tokens, {n} accepted, batch 1, {jax.devices()[0].platform}")
     print(f"per-position states: {1e3 * a:.3f} ms per round;  replay: {1e3 * b:.3f} ms per round;  "

@@ -12,13 +12,12 @@ On TPU the Mosaic kernels and on GPU the portable (Triton-lowered) kernels run c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from jspec.decode.profile import median_seconds
 from jspec.demo import DEMO_CONFIG
 from jspec.kernels import draft_layer, pack_bits, pallas_setup, ref_draft_layer, ref_tree_attention, tree_attention
 from jspec.models import transformer
@@ -33,13 +32,7 @@ def seconds(fn, args, repeats: int) -> float:
         return (carry[0] + 1e-9 * jnp.sum(out).astype(carry[0].dtype),) + carry[1:]
 
     run = jax.jit(lambda *a: jax.lax.fori_loop(0, INNER, body, a)[0])
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times)
+    return median_seconds(run, args, repeats, INNER)
 
 
 def draft_inputs(cfg, block: int, context: int, dtype):

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from jspec.decode import ar, spec
+from jspec.decode.profile import median_seconds
 from jspec.demo import DEMO_CONFIG
 from jspec.drafters.base import DraftContext, PrefillInfo
 from jspec.drafters.lm import SmallLM
@@ -39,16 +38,6 @@ def _in_loop(step, carry):
     return jax.jit(lambda c: jax.lax.fori_loop(0, INNER, lambda i, x: step(x), c))
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -64,7 +53,7 @@ def main(argv=None) -> None:
     prompt = jnp.asarray([[17, 4, 99, 250, 31, 8, 17, 4, 99, 250, 31, 8, 5, 6, 7, 3]], jnp.int32)
     plen, seeds = jnp.array([16], jnp.int32), jnp.array([0], jnp.uint32)
 
-    ar_time = _median_time(lambda: ar.generate_ar(params, cfg, dcfg, prompt, plen, seeds).tokens, args.repeats)
+    ar_time = median_seconds(lambda: ar.generate_ar(params, cfg, dcfg, prompt, plen, seeds).tokens, repeats=args.repeats)
     ar_out = ar.generate_ar(params, cfg, dcfg, prompt, plen, seeds)
     print(f"target: {cfg.num_params / 1e6:.2f}M parameters (random weights), batch 1, {args.new_tokens} new tokens, "
           f"greedy, {jax.devices()[0].platform}; medians of {args.repeats}")
@@ -83,7 +72,7 @@ def main(argv=None) -> None:
     for name, drafter, dparams in drafters:
         scfg = spec.SpecConfig(dcfg, "greedy")
         run = lambda: spec.generate_spec(params, dparams, cfg, drafter, scfg, prompt, plen, seeds)
-        total = _median_time(lambda: run().core.tokens, args.repeats)
+        total = median_seconds(lambda: run().core.tokens, repeats=args.repeats)
         st = run()
         assert bool(jnp.all(st.core.tokens == ar_out.tokens)), f"{name}: output differs from plain AR"
         rounds = int(st.stats.loop_rounds)
@@ -93,8 +82,8 @@ def main(argv=None) -> None:
         width = drafter.num_drafts + 1
         pcfg = dataclasses.replace(dcfg, scratch_rows=width)
         core, taps = jax.jit(ar.prefill, static_argnums=(1, 2, 6))(params, cfg, pcfg, prompt, plen, seeds, ())
-        prefill_t = _median_time(lambda: jax.jit(ar.prefill, static_argnums=(1, 2, 6))(
-            params, cfg, pcfg, prompt, plen, seeds, ())[0].tokens, args.repeats)
+        prefill_t = median_seconds(lambda: jax.jit(ar.prefill, static_argnums=(1, 2, 6))(
+            params, cfg, pcfg, prompt, plen, seeds, ())[0].tokens, repeats=args.repeats)
         dstate = drafter.init(dparams, PrefillInfo(prompt, plen, taps), pcfg.cache_size + width)
         ctx = DraftContext(core.tokens, core.length, core.seeds, params)
 
@@ -104,7 +93,7 @@ def main(argv=None) -> None:
             return dstate, acc + prop.tokens[:, 0].astype(jnp.uint32)
 
         draft_loop = _in_loop(draft_step, None)
-        draft_t = _median_time(lambda: draft_loop((dstate, jnp.zeros((1,), jnp.uint32)))[1], args.repeats) / INNER
+        draft_t = median_seconds(lambda: draft_loop((dstate, jnp.zeros((1,), jnp.uint32)))[1], repeats=args.repeats) / INNER
         vt = jnp.zeros((1, width), jnp.int32)
         pos = core.length[:, None] - 1 + jnp.arange(width)[None]
         mask = jnp.broadcast_to(jnp.eye(width, dtype=bool), (1, width, width)) if drafter.kind == "tree" else None
@@ -115,7 +104,7 @@ def main(argv=None) -> None:
             return out.cache, jnp.argmax(transformer.logits(params, cfg, out.hidden), axis=-1).astype(jnp.int32)
 
         verify_loop = _in_loop(verify_step, None)
-        verify_t = _median_time(lambda: verify_loop((core.cache, vt))[1], args.repeats) / INNER
+        verify_t = median_seconds(lambda: verify_loop((core.cache, vt))[1], repeats=args.repeats) / INNER
         round_t = (total - prefill_t) / rounds
         overhead = (round_t - verify_t - draft_t) / round_t
         print(f"{name:22s} {tau:5.2f} {ar_time / total:7.2f}x {1e3 * round_t:9.3f} {1e3 * verify_t:10.3f} "

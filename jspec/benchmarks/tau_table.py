@@ -10,11 +10,10 @@ verifier is greedy at T = 0 and speculative sampling at T = 1 (Gumbel coupling: 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
 import jspec
-from jspec.train import data, lm
+from jspec.train import lm
 from jspec.train.distill import corpus_prompts
 from jspec.verify.sampling import SamplingParams
 

@@ -14,6 +14,18 @@ from jspec.models.config import ModelConfig
 INNER = 32  # passes per timed call, inside one compiled loop, so dispatch cost is not counted
 
 
+def median_seconds(run, args=(), repeats: int = 5, calls: int = 1) -> float:
+    """Median wall seconds of `run(*args)` up to its result being ready, over `repeats` timings after
+    one untimed call (which compiles), divided by `calls` (the calls one run makes inside its loop)."""
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def verify_pass_seconds(params, cfg: ModelConfig, batch: int, drafts: int, context: int, cache_size: int,
                         repeats: int = 5) -> float:
     """Median seconds of one target verify pass over [anchor, `drafts` tokens] per row, `context` rows cached."""
@@ -27,14 +39,7 @@ def verify_pass_seconds(params, cfg: ModelConfig, batch: int, drafts: int, conte
         return out.cache, jnp.argmax(transformer.logits(params, cfg, out.hidden), axis=-1).astype(jnp.int32)
 
     run = jax.jit(lambda c, t: jax.lax.fori_loop(0, INNER, step, (c, t))[1])
-    tokens = jnp.zeros((batch, width), jnp.int32)
-    run(cache, tokens).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(cache, tokens).block_until_ready()
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times)
+    return median_seconds(run, (cache, jnp.zeros((batch, width), jnp.int32)), repeats, INNER)
 
 
 def sps_table(seconds_by_drafts: dict[int, float], batch: int, g: int) -> tuple[float, ...]:

@@ -32,7 +32,6 @@ from jspec.drafters.base import SAMPLE, DraftContext, Proposal, register
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashState, draft_block
 from jspec.drafters.dflash import init_params as dflash_init_params
 from jspec.drafters.dflash import param_shapes as dflash_param_shapes
-from jspec.models import transformer
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 

@@ -96,8 +96,7 @@ def _split_grouped(cfg: HybridConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[
 
 def _join_grouped(cfg: HybridConfig, qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray):
     """Inverse of `_split_grouped`: flat [out, in] rows -> (in_proj_qkvz, in_proj_ba)."""
-    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    r = cfg.linear_num_value_heads // hk
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     d = qkv.shape[-1]
     q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
     grp = lambda x: x.reshape(hk, -1, d)

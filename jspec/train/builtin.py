@@ -44,7 +44,7 @@ def install(src: str, name: str) -> str:
 def main(argv=None) -> None:
     paths = sys.argv[1:] if argv is None else argv
     if len(paths) != len(NAMES):
-        raise SystemExit(f"usage: python -m jspec.train.builtin TARGET_DIR DFLASH_DIR DSPARK_DIR")
+        raise SystemExit("usage: python -m jspec.train.builtin TARGET_DIR DFLASH_DIR DSPARK_DIR")
     for src, name in zip(paths, NAMES):
         dst = install(src, name)
         size = sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))

@@ -8,7 +8,6 @@ Writes the run (checkpoints, metrics.jsonl) under --out and the trained model in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
