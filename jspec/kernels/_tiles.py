@@ -62,6 +62,22 @@ def init_stats(rows: int, head_dim: int):
             jnp.zeros((rows, head_dim), jnp.float32))
 
 
+def stats_in_scratch(m_s, l_s, acc_s, rows: int):
+    """(store, load) of the online-softmax state of head chunk c in VMEM scratch across grid steps:
+    m and l are kept broadcast over STAT_LANES lanes (a lane-dense [rows, 128] tile), acc as it is."""
+
+    def store(c, state):
+        m, l, acc = state
+        m_s[c] = jnp.broadcast_to(m, (rows, STAT_LANES))
+        l_s[c] = jnp.broadcast_to(l, (rows, STAT_LANES))
+        acc_s[c] = acc
+
+    def load(c):
+        return m_s[c][:, :1], l_s[c][:, :1], acc_s[c]
+
+    return store, load
+
+
 def attend(state, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float):
     """Fold keys k [N, Dh] / values v [N, Dh] into the state of queries q [R, Dh].
 

@@ -219,15 +219,7 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
     lo, hi, window = lo_ref[ba], hi_ref[ba], win_ref[0]
     first, last = _tiles.context_tiles(lo, hi, block_k, num_tiles)
     rows_stat = group * wp
-
-    def store(c, state):
-        m, l, acc = state
-        m_s[c] = jnp.broadcast_to(m, (rows_stat, _tiles.STAT_LANES))
-        l_s[c] = jnp.broadcast_to(l, (rows_stat, _tiles.STAT_LANES))
-        acc_s[c] = acc
-
-    def load(c):
-        return m_s[c][:, :1], l_s[c][:, :1], acc_s[c]
+    store, load = _tiles.stats_in_scratch(m_s, l_s, acc_s, rows_stat)
 
     @pl.when((g == 0) & (j == 0))
     def _norm():

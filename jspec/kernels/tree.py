@@ -145,15 +145,7 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
     lo, hi, window = lo_ref[b], hi_ref[b], win_ref[0]
     first, last = _tiles.context_tiles(lo, hi, block_k, num_tiles)
     rows_stat = group * tp
-
-    def store(c, state):
-        m, l, acc = state
-        m_s[c] = jnp.broadcast_to(m, (rows_stat, _tiles.STAT_LANES))
-        l_s[c] = jnp.broadcast_to(l, (rows_stat, _tiles.STAT_LANES))
-        acc_s[c] = acc
-
-    def load(c):
-        return m_s[c][:, :1], l_s[c][:, :1], acc_s[c]
+    store, load = _tiles.stats_in_scratch(m_s, l_s, acc_s, rows_stat)
 
     @pl.when(j == 0)
     def _new_keys():
