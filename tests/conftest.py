@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Test models are tiny, so XLA's compile time dominates the suite; LLVM -O0 cuts it by about a third
-# (subprocesses that tests start inherit the flag).
+# Test models are tiny, so XLA's compile time dominates the suite; LLVM -O0 cuts the suite's time by
+# about a fifth (subprocesses that tests start inherit the flag).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
