@@ -234,7 +234,7 @@ def generate(
         rounds = int(steps)
         stats = {"rounds": rounds, "tau": 1.0, "accepted_per_position": []}
     else:
-        dr, dparams = _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
+        dr, dparams = prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
         sps = _verify_budget(target, dr, verify_budget, len(prompts), cache_size)
         if kernels not in (None, "reference", "pallas", "auto"):
             raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
@@ -296,8 +296,10 @@ def _default_verifier(verifier: str | None, sampling: SamplingParams) -> str:
     return verifier
 
 
-def _prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size):
-    """Validate on the host and fix the drafter's proposal mode and sampling to match the verifier."""
+def prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size):
+    """The (Drafter, params) pair exactly as `generate` runs it: loaded (`load_drafter`), checked on the
+    host against the target, the cache and the verifier (None = the default for `sampling`), with its
+    proposal mode and sampling set to match the verifier. ValueError names any problem."""
     for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -16,7 +16,7 @@ import itertools
 import os
 
 import jspec
-from jspec.api import BUILTIN_DIR, _prepare_drafter
+from jspec.api import BUILTIN_DIR, prepare_drafter
 from jspec.decode import spec
 from jspec.drafters.base import Drafter
 from jspec.drafters.lm import SmallLM
@@ -105,7 +105,7 @@ def expand(target, drafters, verifiers, block_sizes, tree_budgets, temperatures,
         sampling = SamplingParams(t)
         try:
             rule = resolve_verifier(verifier, t)
-            dr, params = _prepare_drafter(target, _variant(name, loaded[name], target, g, n), sampling, rule,
+            dr, params = prepare_drafter(target, _variant(name, loaded[name], target, g, n), sampling, rule,
                                           g, n, cache_size)
         except ValueError as err:
             what = f"tree N={n}" if n else f"g={g}"
