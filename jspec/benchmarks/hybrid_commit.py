@@ -61,7 +61,8 @@ def main(argv=None) -> None:
           f"1 + {args.drafts} tokens, {n} accepted, batch 1, {jax.devices()[0].platform}")
     print(f"per-position states: {1e3 * a:.3f} ms per round;  replay: {1e3 * b:.3f} ms per round;  "
           f"replay / per-position = {b / a:.2f}")
-    hk, hv, dk, dv, conv_dim, k = 16, 32, 128, 128, 2 * 16 * 128 + 32 * 128, 4
+    hk, hv, dk, dv, k = 16, 32, 128, 128, 4
+    conv_dim = 2 * hk * dk + hv * dv
     state = hv * dk * dv * 4 + (k - 1) * conv_dim * 2
     print(f"Qwen3-Next-80B GDN layer at block 16: per-position {16 * state:,} B per row; replay inputs "
           f"{16 * (conv_dim + 2 * hv) * 4:,} B per row (q, k, v, g, beta in float32)")
