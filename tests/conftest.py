@@ -64,3 +64,19 @@ def hf_checkpoints(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """Free each test file's compiled programs when the file is done.
+
+    XLA's CPU backend maps every compiled program's machine code into memory pages of its own; a
+    process that keeps a whole suite's programs alive passes the kernel's limit on memory mappings
+    (vm.max_map_count, 65,530 by default), and the next compilation aborts."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
