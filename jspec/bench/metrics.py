@@ -55,7 +55,7 @@ def decode_timing(call_s: Sequence[Sequence[float]], prefill_s: Sequence[Sequenc
     first one. decode = call - prefill. tokens_per_s = sum tokens / sum decode over
     every prompt and repeat; per_repeat pools over prompts within one repeat.
     """
-    decode = [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(call_s, prefill_s)]
+    decode = _decode(call_s, prefill_s)
     rates = [sum(tr) / sum(dr) for tr, dr in zip(tokens, decode)]
     total_tokens = sum(sum(tr) for tr in tokens)
     total_decode = sum(sum(dr) for dr in decode)
@@ -80,15 +80,17 @@ def speedup(ar: dict, spec: dict) -> dict:
     and counted in `noisy_repeats` (the report marks the row); with none, the pooled value lies inside
     the per-repeat range (a ratio of sums of positive times is a mediant of the per-repeat ratios).
     """
-    pairs = [(sum(a), sum(s)) for a, s in zip(_decode_rows(ar), _decode_rows(spec))]
+    pairs = [(sum(a), sum(s)) for a, s in zip(_decode(ar["call_s"], ar["prefill_s"]),
+                                              _decode(spec["call_s"], spec["prefill_s"]))]
     per_repeat = [a / s for a, s in pairs if a > 0 and s > 0]
     return {"value": ar["decode_s_total"] / spec["decode_s_total"], "ar_decode_s": ar["decode_s_total"],
             "decode_s": spec["decode_s_total"], "repeats": spread(per_repeat) if per_repeat else None,
             "noisy_repeats": len(pairs) - len(per_repeat)}
 
 
-def _decode_rows(timing: dict) -> list[list[float]]:
-    return [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(timing["call_s"], timing["prefill_s"])]
+def _decode(call_s, prefill_s) -> list[list[float]]:
+    """decode[r][p] = call_s[r][p] - prefill_s[r][p]: the rounds of one call."""
+    return [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(call_s, prefill_s)]
 
 
 def loop_overhead(round_s: float, verify_s: float, draft_s: float) -> float:
