@@ -73,9 +73,9 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-# Logical axes of every parameter by leaf name: targets (jspec.models.transformer layout, layers
-# stacked first; hybrid attention / MLP leaves share these names), DFlash / DSpark drafters and the
-# small-LM drafter. Leaves not listed (recurrent GDN and MoE weights, DSpark's small heads) are replicated.
+# Logical axes of every parameter by leaf name: targets (a leaf of one layer, as in the
+# jspec.models.transformer layout, drops the leading layer axis; the hybrid model's stacked attention /
+# MLP leaves keep it and share these names), DFlash / DSpark drafters and the small-LM drafter. Leaves not listed (recurrent GDN and MoE weights, DSpark's small heads) are replicated.
 _LAYER = "layers"
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
@@ -104,8 +104,9 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w1": ("vocab", "rank"),  # DSpark Markov head
     "w2": ("rank", "vocab"),
 }
-# Caches [L, B, S, Hkv, Dh]: the target's KVCache, a DFlash context cache, a small-LM drafter's cache.
-CACHE_AXES = (_LAYER, "batch", "seq", "kv_heads", "head_dim")
+# Caches: one [B, Hkv, S, Dh] buffer per layer (the dense targets' KVCache, a small-LM drafter's cache),
+# stacked [L, B, Hkv, S, Dh] (hybrid targets), [L, B, S, Hkv, Dh] (a DFlash context cache).
+CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 # Head-sharded leaves: the dimension holds (heads x head_dim), split only at whole heads.
 _HEAD_DIMS = {"heads", "kv_heads"}
 
@@ -168,6 +169,8 @@ def param_shardings(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: 
     def one(path, leaf):
         name = str(getattr(path[-1], "key", path[-1])) if path else ""
         logical = PARAM_AXES.get(name, ())
+        if logical[:1] == (_LAYER,) and np.ndim(leaf) == len(logical) - 1:  # one layer's own array
+            logical = logical[1:]
         return NamedSharding(mesh, spec_for(np.shape(leaf), logical, mesh, rules, head_dim))
 
     return jax.tree_util.tree_map_with_path(one, params)
@@ -261,8 +264,10 @@ def place_drafter(drafter, dparams, mesh: Mesh, rules: ShardingRules = RULES):
 
 
 def cache_sharding(mesh: Mesh, shape: Sequence[int], rules: ShardingRules = RULES) -> NamedSharding:
-    """A [L, B, S, Hkv, Dh] cache: batch over data, KV heads over model."""
-    return NamedSharding(mesh, spec_for(shape, CACHE_AXES, mesh, rules))
+    """A layer's [B, Hkv, S, Dh] cache or a stacked [L, B, Hkv, S, Dh] one: batch over data, KV heads
+    over model."""
+    axes = CACHE_AXES if len(shape) == len(CACHE_AXES) else (_LAYER,) + CACHE_AXES
+    return NamedSharding(mesh, spec_for(shape, axes, mesh, rules))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def _assert_same_state(a, b, length):
     np.testing.assert_allclose(np.asarray(a.cache.ssm), np.asarray(b.cache.ssm), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(a.cache.conv), np.asarray(b.cache.conv), atol=2e-5, rtol=1e-4)
     for row, n in enumerate(np.asarray(length)):
-        np.testing.assert_allclose(np.asarray(a.cache.k)[:, row, : n - 1], np.asarray(b.cache.k)[:, row, : n - 1],
+        np.testing.assert_allclose(np.asarray(a.cache.k)[:, row, :, : n - 1], np.asarray(b.cache.k)[:, row, :, : n - 1],
                                    atol=2e-5, rtol=1e-4)
 
 

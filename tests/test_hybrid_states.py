@@ -95,8 +95,8 @@ def test_tree_nodes_follow_their_root_paths_and_commit():
     rows = np.arange(2)[:, None]
     src = np.array([lengths[r] + np.array(paths[r]) for r in range(2)])
     dst = lengths[:, None] + np.arange(src.shape[1])[None]
-    committed = H.HybridCache(out.cache.k.at[:, rows, dst].set(out.cache.k[:, rows, src]),
-                              out.cache.v.at[:, rows, dst].set(out.cache.v[:, rows, src]),
+    committed = H.HybridCache(out.cache.k.at[:, rows, :, dst].set(out.cache.k[:, rows, :, src]),
+                              out.cache.v.at[:, rows, :, dst].set(out.cache.v[:, rows, :, src]),
                               out.cache.conv, out.cache.ssm)
     committed = H.commit_states(committed, out.states, jnp.array([5, 5]))
     cont = ids(2, 4, seed=10)

@@ -168,7 +168,7 @@ def test_export_loads_in_transformers(hf_checkpoints, tmp_path, name):
 def test_bfloat16_load_is_close(hf_checkpoints):
     path, model = hf_checkpoints("qwen3")
     cfg, params = load_params(path, dtype=jnp.bfloat16)
-    assert params["layers"]["wq"].dtype == jnp.bfloat16
+    assert params["layers"][0]["wq"].dtype == jnp.bfloat16
     ids = _ids(1, 16, seed=5)
     ours, _ = _jspec_full(cfg, params, ids)
     ref = _hf_logits(model, ids)

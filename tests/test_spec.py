@@ -115,8 +115,8 @@ def test_committed_cache_rows_equal_plain_decoding(target, tree_budget):
     for row, length in enumerate(np.asarray(plain.length)):
         # Rows < length - 1 are committed history in both (the last token is a pending anchor).
         for name in ("k", "v"):
-            a = np.asarray(getattr(st.core.cache, name))[:, row, : length - 1]
-            b = np.asarray(getattr(plain.cache, name))[:, row, : length - 1]
+            a = np.asarray(getattr(st.core.cache, name))[:, row, :, : length - 1]  # [L, B, Hkv, S, Dh]
+            b = np.asarray(getattr(plain.cache, name))[:, row, :, : length - 1]
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
@@ -126,7 +126,8 @@ def test_unwritten_rows_are_never_read(target, small_lm_dir, monkeypatch, baseli
 
     def nan_cache(cls, cfg, batch, size, dtype=jnp.float32):
         c = real_zeros(cls, cfg, batch, size, dtype)
-        return cls(jnp.full_like(c.k, jnp.nan), jnp.full_like(c.v, jnp.nan))
+        nan = lambda layers: tuple(jnp.full_like(x, jnp.nan) for x in layers)
+        return cls(nan(c.k), nan(c.v))
 
     monkeypatch.setattr(transformer.KVCache, "zeros", classmethod(nan_cache))
     jax.clear_caches()

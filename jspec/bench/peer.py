@@ -39,7 +39,7 @@ PAIRS = {"ar": "ar", "assisted": "small_lm", "prompt_lookup": "lookup"}  # HF me
 def early_exit_assistant(target: Target, layers: int = 1) -> Target:
     """The target's first `layers` layers with its final norm and LM head: a small LM on the same vocabulary."""
     cfg = dataclasses.replace(target.cfg, num_layers=layers, layer_types=target.cfg.layer_types[:layers])
-    params = dict(target.params, layers={k: v[:layers] for k, v in target.params["layers"].items()})
+    params = dict(target.params, layers=target.params["layers"][:layers])
     return Target(cfg, params, target.tokenizer, None)
 
 

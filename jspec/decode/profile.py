@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jspec.models import transformer
-from jspec.models.config import ModelConfig
+from jspec.models import target as tm
 
 INNER = 32  # passes per timed call, inside one compiled loop, so dispatch cost is not counted
 
@@ -26,20 +26,30 @@ def median_seconds(run, args=(), repeats: int = 5, calls: int = 1) -> float:
     return statistics.median(times)
 
 
-def verify_pass_seconds(params, cfg: ModelConfig, batch: int, drafts: int, context: int, cache_size: int,
+def verify_pass_seconds(params, cfg, batch: int, drafts: int, context: int, cache_size: int,
                         repeats: int = 5) -> float:
-    """Median seconds of one target verify pass over [anchor, `drafts` tokens] per row, `context` rows cached."""
+    """Median seconds of one target verify pass over [anchor, `drafts` tokens] per row, `context` rows cached.
+
+    The weights are arguments of the timed program, not constants folded into it (a constant copy of
+    a large model costs its size again in memory and makes the compile slow)."""
     width = drafts + 1
-    cache = transformer.KVCache.zeros(cfg, batch, cache_size, params["embed"].dtype)
+    cache = tm.init_cache(cfg, batch, cache_size, params["embed"].dtype)
     pos = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
+    run = _timed_passes(cfg)
+    return median_seconds(run, (params, cache, jnp.zeros((batch, width), jnp.int32), pos), repeats, INNER)
 
-    def step(_, carry):  # each pass verifies the previous pass's argmax, so nothing is dead code
-        cache, tokens = carry
-        out = transformer.forward(params, cfg, tokens, pos, cache)
-        return out.cache, jnp.argmax(transformer.logits(params, cfg, out.hidden), axis=-1).astype(jnp.int32)
 
-    run = jax.jit(lambda c, t: jax.lax.fori_loop(0, INNER, step, (c, t))[1])
-    return median_seconds(run, (cache, jnp.zeros((batch, width), jnp.int32)), repeats, INNER)
+@functools.lru_cache(maxsize=None)
+def _timed_passes(cfg):
+    def passes(params, cache, tokens, pos):
+        def step(_, carry):  # each pass verifies the previous pass's argmax, so nothing is dead code
+            cache, tokens = carry
+            hidden, cache, _, _ = tm.forward(params, cfg, tokens, pos, cache, keep_states=True)
+            return cache, jnp.argmax(tm.logits(params, cfg, hidden), axis=-1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, INNER, step, (cache, tokens))[1]
+
+    return jax.jit(passes)
 
 
 def sps_table(seconds_by_drafts: dict[int, float], batch: int, g: int) -> tuple[float, ...]:

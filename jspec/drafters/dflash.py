@@ -70,7 +70,7 @@ class DFlashConfig:
 
 
 def param_shapes(cfg: DFlashConfig) -> dict:
-    """fc [n*H, H], hidden_norm [H], norm [H], layers: the transformer layer stack (no embedding / head)."""
+    """fc [n*H, H], hidden_norm [H], norm [H], layers: per-layer transformer dicts (no embedding / head)."""
     layer_shapes = transformer.param_shapes(cfg.layers)["layers"]
     h = cfg.hidden_size
     return {"fc": (len(cfg.target_layer_ids) * h, h), "hidden_norm": (h,), "norm": (h,), "layers": layer_shapes}
@@ -95,7 +95,7 @@ def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
 
 
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
-    """Per-layer context K, V [Ld, B, T, Hkv, Dh] of the fused features at `positions` [B, T]."""
+    """Context K, V [Ld, B, T, Hkv, Dh] of the fused features at `positions` [B, T], for every layer."""
     lc = cfg.layers
     h_ctx = fuse(params, cfg, taps)
     b, t, _ = h_ctx.shape
@@ -107,7 +107,8 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
         v = (h_ctx @ lp["wv"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
         return k, v
 
-    return jax.lax.map(one, params["layers"])
+    ks, vs = zip(*(one(lp) for lp in params["layers"]))
+    return jnp.stack(ks), jnp.stack(vs)
 
 
 def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
@@ -126,13 +127,8 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
         return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
     h = embed[block_tokens]  # [B, A, W, D]
-    windows = jnp.asarray(lc.windows, jnp.int32)
-
-    def layer(h, xs):  # the kernels' pure-jnp reference is the one definition of a draft layer
-        lp, kc, vc, window = xs
-        return fused_draft.ref_draft_layer(h, lp, kc, vc, anchor_pos, window, lc), None
-
-    h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v, windows))
+    for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
+        h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc)
     return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
 
 

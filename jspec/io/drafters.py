@@ -80,8 +80,7 @@ def _backbone_tensors(cfg: DFlashConfig) -> dict:
         "hidden_norm.weight": ((h,), "hidden_norm", None, False),
         "norm.weight": ((h,), "norm", None, False),
     }
-    for name, (shape, key, layer, tr) in layer_tensor_names(shapes["layers"], cfg.layers.num_layers, "layers.").items():
-        out[name] = (shape, ("layers", key), layer, tr)
+    out.update(layer_tensor_names(shapes["layers"], "layers.", ("layers",)))
     return out
 
 

@@ -1,6 +1,6 @@
 """Strict loading and export of Hugging Face Llama / Qwen3 checkpoints (safetensors).
 
-HF stores matrices [out, in]; jspec stores them [in, out] with layers stacked on a leading axis.
+HF stores matrices [out, in]; jspec stores them [in, out], one dict per layer.
 Loading never falls back to random values: every missing, unexpected or misshapen tensor is
 collected and reported in one `CheckpointError`.
 """
@@ -53,7 +53,7 @@ _TOP_TENSORS = {
 
 
 def expected_tensors(cfg: ModelConfig) -> dict:
-    """HF name -> (HF shape, jspec key path, layer index or None, transpose)."""
+    """HF name -> (HF shape, jspec key path, None, transpose)."""
     shapes = param_shapes(cfg)
     out = {}
     for key, shape in shapes.items():
@@ -61,8 +61,7 @@ def expected_tensors(cfg: ModelConfig) -> dict:
             continue
         name, tr = _TOP_TENSORS[key]
         out[name] = (tuple(reversed(shape)) if tr else shape, key, None, tr)
-    for name, (shape, key, layer, tr) in layer_tensor_names(shapes["layers"], cfg.num_layers, "model.layers.").items():
-        out[name] = (shape, ("layers", key), layer, tr)
+    out.update(layer_tensor_names(shapes["layers"], "model.layers.", ("layers",)))
     return out
 
 
@@ -122,14 +121,13 @@ def np_dtype(dtype):
     return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
 
 
-def layer_tensor_names(shapes: dict, num_layers: int, prefix: str) -> dict:
-    """HF name -> (HF shape, jspec per-layer key, layer, transpose) for a stacked layer dict."""
+def layer_tensor_names(layers: list, prefix: str, path: tuple) -> dict:
+    """HF name -> (HF shape, jspec key path, None, transpose) for a list of per-layer shape dicts at `path`."""
     out = {}
-    for key, shape in shapes.items():
-        name, tr = _LAYER_TENSORS[key]
-        per = shape[1:]
-        for i in range(num_layers):
-            out[f"{prefix}{i}.{name}"] = (tuple(reversed(per)) if tr else per, key, i, tr)
+    for i, shapes in enumerate(layers):
+        for key, shape in shapes.items():
+            name, tr = _LAYER_TENSORS[key]
+            out[f"{prefix}{i}.{name}"] = (tuple(reversed(shape)) if tr else shape, path + (i, key), None, tr)
     return out
 
 

@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.models import gdn
-from jspec.models.transformer import attention_mask, rope
+from jspec.models.attention import attend, write_rows
+from jspec.models.transformer import rope
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_ARCHITECTURES = {
@@ -360,7 +361,7 @@ def init_params(cfg: HybridConfig, key: jax.Array, dtype=jnp.float32, std: float
 class HybridCache:
     """Static preallocated target state.
 
-    k, v [La, B, S, Hkv, Dh]: attention K/V; rows < ctx_len are committed, position == row index
+    k, v [La, B, Hkv, S, Dh]: attention K/V; rows < ctx_len are committed, position == row index
     (same semantics as `transformer.KVCache`). conv [Lg, B, K-1, C]: the last K-1 conv inputs of each
     GDN layer, oldest first (cache dtype). ssm [Lg, B, HV, dk, dv]: recurrent state S, float32.
     """
@@ -372,12 +373,12 @@ class HybridCache:
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @classmethod
     def zeros(cls, cfg: HybridConfig, batch: int, size: int, dtype=jnp.float32) -> "HybridCache":
         n = cfg.counts
-        kv = (n["attn"], batch, size, cfg.num_kv_heads, cfg.head_dim)
+        kv = (n["attn"], batch, cfg.num_kv_heads, size, cfg.head_dim)
         return cls(
             jnp.zeros(kv, dtype), jnp.zeros(kv, dtype),
             jnp.zeros((n["gdn"], batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
@@ -435,8 +436,8 @@ def _partial_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> ja
     return jnp.concatenate([rope(x[..., :rd], positions, inv_freq), x[..., rd:]], axis=-1)
 
 
-def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_rows, mask, key_valid, inv_freq):
-    """Gated full attention. x [B, T, D] (normed); k_cache/v_cache [B, S, Hkv, Dh]."""
+def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, inv_freq):
+    """Gated full attention. x [B, T, D] (normed); k_cache/v_cache [B, Hkv, S, Dh]."""
     b, t, _ = x.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg = (x @ lp["wq"]).reshape(b, t, hq, 2 * dh)
@@ -446,18 +447,8 @@ def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_row
     q = _partial_rope(zc_rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
     k = _partial_rope(zc_rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
 
-    batch_idx = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[batch_idx, cache_rows].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[batch_idx, cache_rows].set(v.astype(v_cache.dtype), mode="drop")
-    # Rows nobody may read are zeroed so that stale or NaN-filled memory cannot leak through 0 * NaN.
-    keys = jnp.where(key_valid[:, :, None, None], k_cache, 0).astype(q.dtype)
-    vals = jnp.where(key_valid[:, :, None, None], v_cache, 0).astype(q.dtype)
-    qh = q.reshape(b, t, hkv, hq // hkv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qh, keys, preferred_element_type=jnp.float32) * (dh**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, t, hq * dh)
+    k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
+    attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask).reshape(b, t, hq * dh)
     return (attn * jax.nn.sigmoid(gate)) @ lp["wo"], k_cache, v_cache
 
 
@@ -595,7 +586,6 @@ def forward(
     if impl == "auto":
         impl = "chunked" if (t > 1 and not keep_states and parent is None) else "recurrent"
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    mask, key_valid = attention_mask(positions, cache_rows, ctx_len, cache.size, tree_mask, jnp.int32(0))
 
     block = cfg.block
     nb = cfg.num_layers // len(block)
@@ -622,8 +612,8 @@ def forward(
             lp = jax.tree_util.tree_map(lambda a: a[j], x[mixer])
             xn = zc_rms_norm(h, x["norms"]["in_norm"][p], cfg.rms_norm_eps)
             if mixer == "attn":
-                out, k_l, v_l = _attn_layer(cfg, lp, xn, x["k"][j], x["v"][j], positions, cache_rows, mask,
-                                            key_valid, inv_freq)
+                out, k_l, v_l = _attn_layer(cfg, lp, xn, x["k"][j], x["v"][j], positions, cache_rows, ctx_len,
+                                            tree_mask, inv_freq)
                 ys["k"].append(k_l)
                 ys["v"].append(v_l)
             else:

@@ -56,9 +56,15 @@ def commit_states(cfg, cache, states, index, live):
 
 
 def compact_rows(cache, rows, dst, src):
-    """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched."""
-    return dataclasses.replace(cache, k=cache.k.at[:, rows, dst].set(cache.k[:, rows, src]),
-                               v=cache.v.at[:, rows, dst].set(cache.v[:, rows, src]))
+    """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched.
+
+    rows [B, 1] batch indices. Dense caches hold one [B, Hkv, S, Dh] buffer per layer, hybrid ones a
+    stacked [La, B, Hkv, S, Dh] buffer."""
+    if isinstance(cache.k, tuple):
+        move = lambda x: x.at[rows, :, dst].set(x[rows, :, src])
+        return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    move = lambda x: x.at[:, rows, :, dst].set(x[:, rows, :, src])
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
 
 
 def pad_states(states, width: int):

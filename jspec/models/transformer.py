@@ -1,12 +1,15 @@
 """Llama / Qwen3 decoder as pure functions over a parameter pytree, with a static KV cache.
 
-Parameters (a plain nested dict; per-layer tensors stacked on a leading layer axis so that the layer
-stack is one `lax.scan`; matrices stored [in, out]):
+Parameters (a plain nested dict; `layers` is a list with one dict per layer, so that no pass slices a
+weight out of a stacked array; matrices stored [in, out]):
 
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when embeddings are tied)
-    layers: attn_norm [L, D], wq [L, D, Hq*Dh], wk/wv [L, D, Hkv*Dh], wo [L, Hq*Dh, D],
-            (bq [L, Hq*Dh], bk/bv [L, Hkv*Dh] with attention_bias; q_norm/k_norm [L, Dh] for Qwen3),
-            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D]
+    layers[i]: attn_norm [D], wq [D, Hq*Dh], wk/wv [D, Hkv*Dh], wo [Hq*Dh, D],
+               (bq [Hq*Dh], bk/bv [Hkv*Dh] with attention_bias; q_norm/k_norm [Dh] for Qwen3),
+               mlp_norm [D], w_gate/w_up [D, F], w_down [F, D]
+
+The KV cache holds one [B, Hkv, S, Dh] buffer per layer for K and for V: each layer writes its rows in
+place and attention reads only the valid rows (`jspec.models.attention`).
 
 One `forward` serves prefill, single-token decoding, chain verification and tree verification: it
 takes T new tokens per row at per-row positions, writes their K/V into given cache rows, and attends
@@ -22,25 +25,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models.attention import KV_CHUNK, attend, write_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Static preallocated K/V: k, v [L, B, S, Hkv, Dh]. Which rows are valid is tracked by the caller."""
+    """Static preallocated K/V, one buffer per layer: k[i], v[i] [B, Hkv, S, Dh]. Which rows are valid
+    is tracked by the caller. Separate buffers let every layer update its own rows in place (a slice
+    of one stacked buffer is a copy), and heads before rows make a chunk of rows a contiguous block
+    of each head, which attention reads without a transpose."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
 class ForwardOut(NamedTuple):
@@ -66,43 +74,9 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention_mask(
-    positions: jax.Array,
-    cache_rows: jax.Array,
-    ctx_len: jax.Array,
-    size: int,
-    tree_mask: jax.Array | None,
-    window: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Visibility of cache rows to the new tokens.
-
-    positions, cache_rows [B, T]; ctx_len [B]: rows < ctx_len hold committed tokens whose position is
-    their row index. tree_mask [B, T, T] (query i may see new token k) or None for causal order by
-    position. window: 0 = full attention, else a key is visible iff key_pos > query_pos - window.
-    Returns (mask [B, T, S], key_valid [B, S]): key_valid marks rows that any query may read.
-    """
-    rows = jnp.arange(size)
-    committed = rows[None, :] < ctx_len[:, None]  # [B, S]
-    new_onehot = cache_rows[:, :, None] == rows[None, None, :]  # [B, T(k), S]
-    if tree_mask is None:
-        new_vis = positions[:, None, :] <= positions[:, :, None]  # [B, T(i), T(k)]
-    else:
-        new_vis = tree_mask
-    # Position of every key row: committed rows sit at their own index, new rows at their position.
-    key_pos = jnp.where(
-        jnp.any(new_onehot, axis=1), jnp.einsum("bks,bk->bs", new_onehot.astype(jnp.int32), positions), rows[None, :]
-    )
-    sees_new = jnp.einsum("bik,bks->bis", new_vis.astype(jnp.int32), new_onehot.astype(jnp.int32)) > 0
-    mask = committed[:, None, :] | sees_new
-    in_window = key_pos[:, None, :] > positions[:, :, None] - window
-    mask = mask & ((window == 0) | in_window)
-    key_valid = committed | jnp.any(new_onehot, axis=1)
-    return mask, key_valid
-
-
-def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, positions, cache_rows, ctx_len, tree_mask,
-           attention: str = "reference"):
-    """One decoder layer. h [B, T, D]; k_cache/v_cache [B, S, Hkv, Dh] for this layer."""
+def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, positions, cache_rows, ctx_len,
+           tree_mask, attention: str, kv_chunk: int | None):
+    """One decoder layer. h [B, T, D]; k_cache/v_cache [B, Hkv, S, Dh] for this layer."""
     b, t, _ = h.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
@@ -120,27 +94,15 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window, position
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
 
-    batch_idx = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[batch_idx, cache_rows].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[batch_idx, cache_rows].set(v.astype(v_cache.dtype), mode="drop")
-
+    k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
     if tree_mask is not None and attention == "pallas":
         from jspec.kernels import tree  # imported here: jspec.kernels imports this module
 
-        attn = tree.layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window)
+        rows_major = lambda c: jnp.swapaxes(c, 1, 2)  # the kernel reads [B, S, Hkv, Dh]
+        attn = tree.layer_attention(q, k, v, rows_major(k_cache), rows_major(v_cache), positions, cache_rows,
+                                    ctx_len, tree_mask, jnp.int32(window))
     else:
-        mask, key_valid = attention_mask(positions, cache_rows, ctx_len, k_cache.shape[1], tree_mask, window)
-        # Rows nobody may read are zeroed so that stale or NaN-filled memory cannot leak through 0 * NaN.
-        keys = jnp.where(key_valid[:, :, None, None], k_cache, 0).astype(q.dtype)
-        vals = jnp.where(key_valid[:, :, None, None], v_cache, 0).astype(q.dtype)
-        qg = q.reshape(b, t, hkv, hq // hkv, dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
-        scores = scores * (dh**-0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        # A query with no visible key (only padding queries) gets zeros instead of NaN.
-        probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals)
+        attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk)
     h = h + attn.reshape(b, t, hq * dh) @ lp["wo"]
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -165,6 +127,7 @@ def forward(
     tree_mask: jax.Array | None = None,
     taps: tuple[int, ...] = (),
     attention: str = "reference",
+    kv_chunk: int | None = KV_CHUNK,
 ) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
@@ -175,6 +138,13 @@ def forward(
     causal by position. taps: layer indices whose outputs are returned.
     attention: "reference" | "pallas" | "auto" (jspec.kernels.resolve): with a tree_mask, "pallas" runs
     the tree-attention kernel (the mask packed into a per-row ancestor bitmask); otherwise jnp.
+    kv_chunk: cache rows per attention step (`jspec.models.attention.attend`); None = one block over
+    the whole cache (training passes, which differentiate through it).
+
+    The layers run as an unrolled Python loop over per-layer weights: a `lax.scan` over stacked weights
+    copies every sliced weight matrix before its matmul on XLA:CPU and XLA:GPU, and one over the cache
+    copies the cache in and out of the scan every pass. Each layer writes its K/V rows into the cache
+    in place.
     """
     if attention != "reference":
         from jspec.kernels import resolve  # imported here: jspec.kernels imports this module
@@ -185,19 +155,17 @@ def forward(
     if ctx_len is None:
         ctx_len = positions[:, 0]
     inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
-    windows = jnp.asarray(cfg.windows, jnp.int32)
     h = params["embed"][tokens]
-
-    def body(h, xs):
-        lp, k_l, v_l, window = xs
-        h, k_l, v_l = _layer(cfg, inv_freq, h, lp, k_l, v_l, window, positions, cache_rows, ctx_len, tree_mask,
-                             attention)
-        return h, (k_l, v_l, h if taps else None)
-
-    h, (k, v, per_layer) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v, windows))
-    tapped = per_layer[jnp.asarray(taps)] if taps else None
+    ks, vs, outputs = [], [], []
+    for lp, k, v, window in zip(params["layers"], cache.k, cache.v, cfg.windows, strict=True):
+        h, k, v = _layer(cfg, inv_freq, h, lp, k, v, window, positions, cache_rows, ctx_len, tree_mask, attention,
+                         kv_chunk)
+        ks.append(k)
+        vs.append(v)
+        outputs.append(h)
+    tapped = jnp.stack([outputs[i] for i in taps]) if taps else None
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return ForwardOut(h, KVCache(k, v), tapped)
+    return ForwardOut(h, KVCache(tuple(ks), tuple(vs)), tapped)
 
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -206,21 +174,27 @@ def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Shape of every parameter, in the pytree layout above."""
-    d, f, v, l = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+def layer_shapes(cfg: ModelConfig) -> dict:
+    """Shape of every parameter of one decoder layer."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    layers = {
-        "attn_norm": (l, d), "wq": (l, d, q), "wk": (l, d, kv), "wv": (l, d, kv), "wo": (l, q, d),
-        "mlp_norm": (l, d), "w_gate": (l, d, f), "w_up": (l, d, f), "w_down": (l, f, d),
+    shapes = {
+        "attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
     }
     if cfg.attention_bias:
-        layers.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
     if cfg.mlp_bias:
-        layers.update(b_gate=(l, f), b_up=(l, f), b_down=(l, d))
+        shapes.update(b_gate=(f,), b_up=(f,), b_down=(d,))
     if cfg.qk_norm:
-        layers.update(q_norm=(l, dh), k_norm=(l, dh))
-    shapes = {"embed": (v, d), "final_norm": (d,), "layers": layers}
+        shapes.update(q_norm=(dh,), k_norm=(dh,))
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shape of every parameter, in the pytree layout above (`layers`: a list of per-layer dicts)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    shapes = {"embed": (v, d), "final_norm": (d,), "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, v)
     return shapes

@@ -46,7 +46,8 @@ def target_pass(target_params, target_cfg: ModelConfig, tokens: jax.Array, taps:
     """Frozen target over [B, T]: (taps [n, B, T, H], next-token log-probs [B, T, V])."""
     b, t = tokens.shape
     out = transformer.forward(target_params, target_cfg, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                              transformer.KVCache.zeros(target_cfg, b, t, target_params["embed"].dtype), taps=taps)
+                              transformer.KVCache.zeros(target_cfg, b, t, target_params["embed"].dtype), taps=taps,
+                              kv_chunk=None)
     logp = jax.nn.log_softmax(transformer.logits(target_params, target_cfg, out.hidden), axis=-1)
     return jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(logp)
 

@@ -42,7 +42,7 @@ def lm_loss(params, cfg: ModelConfig, batch: jax.Array):
     inputs, labels = batch[:, :-1], batch[:, 1:]
     b, t = inputs.shape
     out = transformer.forward(params, cfg, inputs, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                              transformer.KVCache.zeros(cfg, b, t, params["embed"].dtype))
+                              transformer.KVCache.zeros(cfg, b, t, params["embed"].dtype), kv_chunk=None)
     logits = transformer.logits(params, cfg, out.hidden)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]

@@ -1,0 +1,113 @@
+"""Attention of new tokens over a static KV cache, at a cost proportional to the valid context.
+
+The cache is preallocated ([B, Hkv, S, Dh] per layer), but a decode round only needs the rows that
+hold committed history plus the rows the pass itself writes. `attend` reads the cache in chunks of
+`kv_chunk` rows up to the highest row any query of the batch may see (a dynamic trip count), with an
+online softmax in float32, so its cost follows the longest valid row, not `S`. No masked copy of the
+cache is ever built: scores of rows a query may not see are set to -inf, and the value rows nobody
+may see are zeroed chunk by chunk (stale or NaN-filled memory must not leak through 0 * NaN).
+
+Visibility (the same for every path): query i of row b sees cache row r iff
+  r < ctx_len[b]                              (committed history), or
+  r == cache_rows[b, k] and new_vis[b, i, k]  (a new token of this pass: causal by position, or the
+                                               tree's ancestor mask),
+and, for a sliding layer of window W, the key's position > query position - W (committed rows sit at
+their own index, new rows at their given position).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KV_CHUNK = 256  # cache rows per attention step: big enough to amortise the step, small enough to skip
+
+
+def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
+    """cache [B, Hkv, S, Dh] with new [B, T, Hkv, Dh] written at rows cache_rows [B, T] (in place under
+    jit when the old cache is dead; rows >= S are dropped)."""
+    batch_idx = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[batch_idx, :, cache_rows].set(new.astype(cache.dtype), mode="drop")
+
+
+def visible_rows(ctx_len: jax.Array, cache_rows: jax.Array) -> jax.Array:
+    """Scalar int32: one past the highest cache row any query of the batch may read."""
+    return jnp.maximum(jnp.max(ctx_len), jnp.max(cache_rows) + 1).astype(jnp.int32)
+
+
+def num_chunks(ctx_len: jax.Array, cache_rows: jax.Array, size: int, kv_chunk: int) -> jax.Array:
+    """Chunks of `kv_chunk` rows that `attend` visits for a cache of `size` rows (a traced count)."""
+    return jnp.clip(-(-visible_rows(ctx_len, cache_rows) // kv_chunk), 1, -(-size // kv_chunk))
+
+
+def _chunk_mask(rows, positions, cache_rows, ctx_len, new_vis, window):
+    """mask [B, T, C] (query sees row) and key_valid [B, C] (some query may see row) for rows [C]."""
+    committed = rows[None, :] < ctx_len[:, None]  # [B, C]
+    onehot = cache_rows[:, :, None] == rows[None, None, :]  # [B, T(k), C]
+    sees_new = jnp.einsum("bik,bkc->bic", new_vis.astype(jnp.int32), onehot.astype(jnp.int32)) > 0
+    mask = committed[:, None, :] | sees_new
+    if not (isinstance(window, int) and window == 0):
+        key_pos = jnp.where(jnp.any(onehot, axis=1),
+                            jnp.einsum("bkc,bk->bc", onehot.astype(jnp.int32), positions), rows[None, :])
+        in_window = key_pos[:, None, :] > positions[:, :, None] - window
+        mask = mask & ((window == 0) | in_window)
+    return mask, committed | jnp.any(onehot, axis=1)
+
+
+def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, cache_rows: jax.Array,
+           ctx_len: jax.Array, tree_mask: jax.Array | None = None, window=0,
+           kv_chunk: int | None = KV_CHUNK) -> jax.Array:
+    """Attention output [B, T, Hq, Dh] (q's dtype) of q [B, T, Hq, Dh] over k/v_cache [B, Hkv, S, Dh].
+
+    The pass's own K/V must already be written at cache_rows [B, T]. positions [B, T]; ctx_len [B];
+    tree_mask [B, T, T] (query i may see new token k) or None for causal order by position; window: 0
+    (full attention) or the sliding window, a Python int or a traced scalar.
+    kv_chunk: rows per step; None attends over all S rows in one block (static shapes, differentiable:
+    training passes whose every row is valid). A query that sees no row (padding) gets zeros.
+    """
+    b, t, hq, dh = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    new_vis = positions[:, None, :] <= positions[:, :, None] if tree_mask is None else tree_mask
+    scale = dh**-0.5
+
+    def block(start, size, first_new_row):
+        """Masked scores [B, Hkv, G, T, C] (f32), value rows [B, Hkv, C, Dh] of rows start..+size, and
+        whether each query [B, T] sees any of them."""
+        rows = start + jnp.arange(size)
+        mask, valid = _chunk_mask(rows, positions, cache_rows, ctx_len, new_vis, window)
+        if first_new_row is not None:  # a clamped last chunk overlaps rows already attended to
+            fresh = rows >= first_new_row
+            mask, valid = mask & fresh[None, None, :], valid & fresh[None, :]
+        keys = jax.lax.dynamic_slice_in_dim(k_cache, start, size, axis=2).astype(q.dtype)
+        vals = jax.lax.dynamic_slice_in_dim(v_cache, start, size, axis=2)
+        scores = jnp.einsum("btkgd,bkcd->bkgtc", qg, keys, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        vals = jnp.where(valid[:, None, :, None], vals, 0).astype(q.dtype)
+        return scores, vals, jnp.any(mask, axis=-1)
+
+    def accumulate(carry, scores, vals, _):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: nothing to rescale
+        p = jnp.exp(scores - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+    if kv_chunk is None or s <= kv_chunk:  # one block: normalise before the value matmul, as softmax does
+        scores, vals, seen = block(0, s, None)
+        probs = jnp.where(seen[:, None, None, :, None], jax.nn.softmax(scores, axis=-1), 0.0)  # sees nothing: 0
+        out = jnp.einsum("bkgtc,bkcd->bkgtd", probs.astype(vals.dtype), vals)
+        return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
+
+    def step(i, carry):
+        start = jnp.minimum(i * kv_chunk, s - kv_chunk)
+        return accumulate(carry, *block(start, kv_chunk, i * kv_chunk))
+
+    g = hq // hkv
+    stats = (jnp.full((b, hkv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
+             jnp.zeros((b, hkv, g, t, dh), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_chunks(ctx_len, cache_rows, s, kv_chunk), step, stats)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [B, Hkv, G, T, Dh]
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
