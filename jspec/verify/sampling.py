@@ -2,12 +2,15 @@
 
 `served_logprobs` turns raw logits into the log-probabilities of the distribution a token is drawn
 from after temperature, top-k and top-p. Verification rules compare exactly these p and q.
-Removed tokens get -inf. Temperature 0 means greedy: a point mass on the argmax.
+Removed tokens get -inf. Temperature 0 means greedy: a point mass on the argmax. The top-k and top-p
+thresholds are searched for without sorting the vocabulary (they run for target and drafter every
+round); `_served_logprobs_sorted` is the sort-based reference they are tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +48,125 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 
 def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Log-probabilities [..., V] (float32) of the served distribution; -inf where removed."""
+    """Log-probabilities [..., V] (float32) of the served distribution; -inf where removed.
+
+    logits: [..., V], any float dtype (cast to float32); params: static. Rows are independent.
+    Stages, in this order:
+
+    - temperature 0: a point mass on the first argmax (top-k and top-p do not apply);
+    - temperature T > 0: logits / T;
+    - top-k (0 < k < V): keep every token whose scaled logit is >= the k-th largest one counted
+      with multiplicity (ties with it are kept, so more than k tokens may survive);
+    - top-p (< 1), on the renormalised distribution: keep token i iff the mass of the tokens strictly
+      more likely than i is < top_p: the smallest set of most likely tokens reaching top_p, with the
+      whole tie group at the boundary kept. Never empty.
+
+    Nothing sorts the vocabulary: each threshold is found by `_bisect_threshold`, 32 steps over the
+    order-preserving int32 image of float32, one vectorised pass over the row per step.
+
+    Exactness. All comparisons are the float comparisons `x >= t` of the backend (they may treat
+    subnormals as zero; the argument below only needs a total preorder consistent with <= on floats).
+    - top-k: c(t) = #{i : x_i >= t} is a non-increasing integer function of t. Let x_k be the k-th
+      largest value. For t comparing equal to x_k, c(t) >= k; for t strictly above x_k only tokens
+      strictly above x_k count, and there are fewer than k of them. So the largest float t* with
+      c(t*) >= k compares equal to x_k, and `x >= t*` is exactly `x >= lax.top_k(x, k)[0][..., -1:]`:
+      integer counting, no rounding anywhere.
+    - top-p: m(t) = fl(sum_i p_i [logp_i >= t]) over one materialised p = exp(logp), with one
+      reduction order for every t, is non-increasing in t (a float sum of non-negative terms is
+      monotone in each term). For the largest t* with m(t*) >= top_p, token i is kept iff
+      logp_i >= t* iff m(t) < top_p for the smallest float t above logp_i, and that m(t) is the
+      mass of the tokens strictly more likely than i: the rule above, decided per value, so ties stay together.
+      m(above the max) = 0 < top_p, so the most likely tokens are always kept; if rounding leaves
+      even the full mass below top_p, t* = -inf and every token is kept (as the sorted rule does).
+      In exact arithmetic this is the sort-and-cumsum rule token for token. In float32 the two
+      sums differ in rounding, so they can disagree only on a boundary tie group whose strictly
+      greater mass lies within summation rounding (at most about V * 2**-24) of top_p, where the
+      sorted rule's own answer depends on how the backend lowers cumsum.
+    - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
+      fusion with different rounding, and a threshold taken from one copy then compared with
+      another can keep nothing. `lax.optimization_barrier` pins the scaled logits, logp and p to
+      single buffers that the search and the final mask both read.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    vocab = logits.shape[-1]
+    if params.greedy:
+        best = jnp.argmax(logits, axis=-1)
+        return jnp.where(jax.nn.one_hot(best, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
+    logits = logits / params.temperature
+    if 0 < params.top_k < vocab:
+        logits = jax.lax.optimization_barrier(logits)
+        if params.top_k == 1:
+            kth = jnp.max(logits, axis=-1, keepdims=True)
+        else:
+            kth = _kth_largest(logits, params.top_k)
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    if params.top_p < 1.0:
+        logp = jax.lax.optimization_barrier(logp)
+        probs = jax.lax.optimization_barrier(jnp.exp(logp))
+        cut = _top_p_cut(logp, probs, params.top_p)
+        logits = jnp.where(logp >= cut, logits, -jnp.inf)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    return logp
+
+
+# Jitted so that eager calls reuse one compiled search per shape instead of tracing the loop again;
+# under an outer jit they are inlined.
+@functools.partial(jax.jit, static_argnums=1)
+def _kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """[..., 1] float32: the k-th largest entry (with multiplicity) of x [..., V], up to values that
+    compare equal; 1 < k < V."""
+    return _bisect_threshold(lambda t: jnp.sum(x >= t, axis=-1, keepdims=True) >= k, x.shape[:-1] + (1,))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _top_p_cut(logp: jax.Array, probs: jax.Array, top_p: float) -> jax.Array:
+    """[..., 1] float32: the largest t with sum(probs[logp >= t]) >= top_p (-inf if none); logp, probs
+    [..., V] with probs = exp(logp), both materialised by the caller."""
+    top_p = jnp.float32(top_p)
+    return _bisect_threshold(lambda t: jnp.sum(jnp.where(logp >= t, probs, 0.0), axis=-1, keepdims=True) >= top_p,
+                             logp.shape[:-1] + (1,))
+
+
+# int32 images (see _key_to_float) of -inf and +inf; the search never leaves this range, so it
+# never builds a NaN threshold (every comparison with NaN is false, which would break monotonicity).
+_KEY_NEG_INF = -0x7F800000
+_KEY_POS_INF = 0x7F800000
+
+
+def _key_to_float(key: jax.Array) -> jax.Array:
+    """float32 [...] whose order is the order of int32 key [...] in [_KEY_NEG_INF, _KEY_POS_INF].
+
+    key >= 0 is the bit pattern of a non-negative float; key < 0 is minus the magnitude bits of a
+    negative float (so -0.0 has no key of its own: it equals +0.0).
+    """
+    key = jnp.clip(key, _KEY_NEG_INF, _KEY_POS_INF)
+    bits = jnp.where(key < 0, (-key) | jnp.int32(-0x80000000), key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bisect_threshold(pred, shape: tuple[int, ...]) -> jax.Array:
+    """Largest float32 t in [-inf, +inf] with pred(t), per row ([*shape]); -inf if pred holds nowhere.
+
+    pred: float32 [*shape] -> bool [*shape], non-increasing in t (pred(t) and s <= t imply pred(s)).
+    The int32 key of the answer is built bit by bit from the top in offset binary (u = key + 2**31,
+    which orders like key): with the higher bits final, bit b is set iff pred holds with it set,
+    which by monotonicity is iff the answer has it. 32 calls of pred, one per loop step.
+    """
+    def step(i, u):
+        trial = u | jax.lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(_key_to_float(_unsigned_to_key(trial))), trial, u)
+
+    return _key_to_float(_unsigned_to_key(jax.lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))))
+
+
+def _unsigned_to_key(u: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
+
+
+def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Sort-based reference for `served_logprobs` (same contract): top-k through `lax.top_k`, top-p
+    through a full-vocabulary sort and cumsum. Kept for tests and benchmarks only."""
     logits = jnp.asarray(logits, jnp.float32)
     vocab = logits.shape[-1]
     if params.greedy:
@@ -57,18 +178,14 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     logp = jax.nn.log_softmax(logits, axis=-1)
     if params.top_p < 1.0:
-        # Keep a token if the mass of the tokens strictly more likely than it is < top_p; ties with
-        # the boundary token are kept together (order-free, so the result is deterministic).
-        # Every comparison happens in sorted order and is mapped back by index: under jit, XLA may
-        # recompute log_softmax inside another fusion with different rounding, so comparing it to a
-        # threshold taken from the sorted copy can drop every token (NaN row).
+        # Comparisons happen in sorted order and map back by index, so no recomputed copy of
+        # log_softmax is ever compared with a threshold taken from the sorted one.
         index = jnp.broadcast_to(jnp.arange(vocab), logp.shape)
         neg_sorted, order = jax.lax.sort_key_val(-logp, index, dimension=-1)
         sorted_desc = -neg_sorted
         probs_sorted = jnp.exp(sorted_desc)
         mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
         keep_sorted = mass_before < params.top_p
-        # Smallest kept log-prob is the threshold.
         threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         keep_sorted = sorted_desc >= threshold
         keep = jax.lax.sort_key_val(order, keep_sorted, dimension=-1)[1]

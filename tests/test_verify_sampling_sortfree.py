@@ -1,0 +1,179 @@
+"""served_logprobs (sort-free thresholds) against the full-sort reference `_served_logprobs_sorted`.
+
+The top-k stage is integer counting, so it must agree exactly. The top-p stage sums probabilities in
+a different order than the reference's sorted cumsum, so a tie group at the boundary may flip only
+when its strictly-greater mass lies within float32 summation rounding of top_p; everywhere else the
+served log-probs must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jspec.verify.sampling import SamplingParams, _served_logprobs_sorted, served_logprobs
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ROWS = 6
+VOCABS = (2, 7, 64)
+KINDS = ("normal", "ties", "masked", "extreme", "flat", "uniform")
+_new_jit = jax.jit(served_logprobs, static_argnums=1)
+_ref_jit = jax.jit(_served_logprobs_sorted, static_argnums=1)
+
+
+def _logits(rng: np.random.Generator, rows: int, vocab: int, kind: str) -> np.ndarray:
+    """float32 [rows, vocab] with at least one finite entry per row."""
+    if kind == "normal":
+        x = rng.normal(0, 3, (rows, vocab))
+    elif kind == "ties":
+        x = rng.choice([-2.0, -0.5, 0.0, 1.0, 1.0, 3.0], (rows, vocab))
+    elif kind == "masked":
+        x = np.where(rng.random((rows, vocab)) < 0.5, -np.inf, rng.normal(0, 3, (rows, vocab)))
+    elif kind == "extreme":
+        x = rng.choice([-1e4, -30.0, 0.0, 0.0, 30.0, 1e4, -np.inf], (rows, vocab))
+    elif kind == "flat":
+        x = rng.normal(0, 1e-6, (rows, vocab))
+    else:
+        x = np.zeros((rows, vocab))
+    dead = ~np.isfinite(x).any(-1)
+    x[dead, rng.integers(0, vocab, int(dead.sum()))] = 0.0
+    return x.astype(np.float32)
+
+
+@st.composite
+def served_case(draw):
+    vocab = draw(st.sampled_from(VOCABS))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+    logits = _logits(rng, ROWS, vocab, draw(st.sampled_from(KINDS)))
+    params = SamplingParams(temperature=draw(st.sampled_from([1e-3, 0.5, 1.0, 1e3, 1e6])),
+                            top_k=draw(st.sampled_from([0, 1, 2, vocab - 1, vocab])),
+                            top_p=draw(st.sampled_from([1e-6, 0.5, 0.9, 1.0])))
+    return logits, params
+
+
+def _greater_mass(logp: np.ndarray) -> np.ndarray:
+    """float64 [rows, V]: exact mass of the tokens strictly more likely than each token, summing the
+    float32 probabilities exp(logp) that both implementations sum."""
+    probs = np.asarray(jnp.exp(jnp.asarray(logp))).astype(np.float64)
+    out = np.empty_like(probs)
+    for r in range(logp.shape[0]):
+        order = np.argsort(logp[r], kind="stable")
+        asc, p_asc = logp[r][order], probs[r][order]
+        suffix = np.append(np.cumsum(p_asc[::-1])[::-1], 0.0)  # suffix[j] = mass of asc[j:]
+        out[r] = suffix[np.searchsorted(asc, logp[r], side="right")]
+    return out
+
+
+def assert_same_as_sorted(logits: np.ndarray, params: SamplingParams, new: np.ndarray, ref: np.ndarray,
+                          atol: float = 0.0) -> None:
+    """new == ref on every row (bit for bit, or within atol where finite), except rows whose support
+    differs only by tokens whose strictly-greater mass is within summation rounding of top_p."""
+    keep_new, keep_ref = np.isfinite(new), np.isfinite(ref)
+    rows = (keep_new == keep_ref).all(-1)
+    if atol == 0.0:
+        np.testing.assert_array_equal(new[rows], ref[rows])
+    else:
+        np.testing.assert_array_equal(keep_new[rows], keep_ref[rows])
+        np.testing.assert_allclose(np.where(keep_new, new, 0)[rows], np.where(keep_ref, ref, 0)[rows], rtol=0, atol=atol)
+    if rows.all():
+        return
+    assert params.top_p < 1.0, "the top-k stage must agree exactly"
+    before_top_p = np.asarray(_served_logprobs_sorted(jnp.asarray(logits),
+                                                      SamplingParams(params.temperature, params.top_k)))
+    mass = _greater_mass(before_top_p)
+    tol = (2 * logits.shape[-1] + 4) * 2.0 ** -24  # both sums' rounding bounds, plus the comparison
+    flipped = keep_new != keep_ref
+    gap = np.abs(mass[flipped] - np.float64(np.float32(params.top_p)))
+    assert (gap <= tol).all(), f"kept sets differ away from the top-p boundary: gaps {gap}"
+
+
+@SETTINGS
+@given(served_case())
+def test_eager_matches_the_sorted_reference_bit_for_bit(case):
+    logits, params = case
+    x = jnp.asarray(logits)
+    new = np.asarray(served_logprobs(x, params))
+    ref = np.asarray(_served_logprobs_sorted(x, params))
+    assert_same_as_sorted(logits, params, new, ref)
+    assert np.isfinite(new).any(-1).all() and not np.isnan(new).any()
+
+
+def _fusion_atol(logits: np.ndarray, params: SamplingParams) -> float:
+    """Rounding scale of log_softmax(logits / T): XLA fuses it differently under jit than op by op
+    (the sort reference has the same jit-vs-eager difference), so values may move by a few ulps of
+    the largest scaled logit."""
+    scaled = np.abs(logits[np.isfinite(logits)] / params.temperature).max()
+    return float(8 * np.spacing(np.float32(max(scaled, 1.0))))
+
+
+@SETTINGS
+@given(served_case())
+def test_jit_matches_eager_and_the_jitted_reference(case):
+    logits, params = case
+    x = jnp.asarray(logits)
+    jitted = np.asarray(_new_jit(x, params))
+    atol = _fusion_atol(logits, params)
+    assert_same_as_sorted(logits, params, jitted, np.asarray(served_logprobs(x, params)), atol=atol)
+    assert_same_as_sorted(logits, params, jitted, np.asarray(_ref_jit(x, params)), atol=atol)
+    assert np.isfinite(jitted).any(-1).all() and not np.isnan(jitted).any()
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+def test_top_k_ties_follow_float_comparison(top_k):
+    # -0.0 == +0.0, and the backend may compare subnormals as zero: the reference thresholds with
+    # `logits >= kth`, so the sort-free search must use the same comparison, not raw bit patterns.
+    logits = jnp.asarray(np.array([[1e-40, 0.0, -1e-40, 1.0, -1.0],
+                                   [-0.0, 0.0, -1.0, -2.0, -np.inf],
+                                   [-np.inf, -np.inf, 1.0, 2.0, -np.inf]], np.float32))
+    params = SamplingParams(top_k=top_k)
+    new = np.asarray(served_logprobs(logits, params))
+    np.testing.assert_array_equal(new, np.asarray(_served_logprobs_sorted(logits, params)))
+    np.testing.assert_array_equal(np.asarray(_new_jit(logits, params)), new)
+    # Fewer finite logits than k: the k-th largest is -inf and every finite token stays.
+    if top_k >= 3:
+        assert set(np.flatnonzero(np.isfinite(new[2]))) == {2, 3}
+
+
+def test_top_p_boundary_cases():
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(np.array([[0.4, 0.2, 0.2, 0.1, 0.1],  # tie group crosses 0.7
+                                              [0.25, 0.25, 0.25, 0.25, 1e-30],
+                                              [1.0, 1e-30, 1e-30, 0.0, 0.0]], np.float32)))
+    for top_p in (1e-7, 0.5, 0.7, 0.9, float(np.nextafter(np.float32(1), np.float32(0)))):
+        params = SamplingParams(top_p=top_p)
+        new = np.asarray(served_logprobs(logits, params))
+        np.testing.assert_array_equal(new, np.asarray(_served_logprobs_sorted(logits, params)))
+        np.testing.assert_array_equal(np.asarray(_new_jit(logits, params)), new)
+    new = np.asarray(served_logprobs(logits, SamplingParams(top_p=0.7)))
+    assert [set(np.flatnonzero(np.isfinite(r))) for r in new] == [{0, 1, 2}, {0, 1, 2, 3}, {0}]
+
+
+@pytest.mark.parametrize("vocab", [32768])
+def test_large_vocabulary_decisions_follow_the_exact_rule(vocab):
+    """At V = 32768 (17 rows = one verify pass of g = 16), every kept or removed token obeys the
+    exact top-p rule (strictly-greater mass < top_p) unless that mass is within 2**-20 of top_p,
+    and the served rows equal the sorted reference's."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 2, (17, vocab)), jnp.float32)
+    for params in (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=200, top_p=0.5),
+                   SamplingParams(temperature=1.5, top_k=vocab - 1, top_p=0.95)):
+        new = np.asarray(_new_jit(logits, params))
+        assert_same_as_sorted(np.asarray(logits), params, new, np.asarray(_ref_jit(logits, params)))
+        before = np.asarray(_served_logprobs_sorted(logits, SamplingParams(params.temperature, params.top_k)))
+        mass = _greater_mass(before) - np.float64(np.float32(params.top_p))
+        decided = np.isfinite(before) & (np.abs(mass) > 2.0 ** -20)
+        np.testing.assert_array_equal(np.isfinite(new)[decided], (mass < 0)[decided])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=2), SamplingParams(top_k=50), SamplingParams(top_k=999),
+                                    SamplingParams(top_p=0.9), SamplingParams(temperature=0.7, top_k=50, top_p=0.9)])
+def test_compiled_program_has_no_sort(params):
+    text = _new_jit.lower(jax.ShapeDtypeStruct((17, 1000), jnp.float32), params).compile().as_text()
+    assert not re.search(r"\ssort\(", text)
+    assert 'custom_call_target="TopK"' not in text
