@@ -33,7 +33,7 @@ def layer_inputs(block, heads, kv_heads, dtype, anchors, hidden=64, mlp=128, hea
     cfg = ModelConfig(family="qwen3", vocab_size=128, hidden_size=hidden, intermediate_size=mlp, num_layers=1,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True)
     keys = jax.random.split(jax.random.key(seed), 8)
-    lp = jax.tree_util.tree_map(lambda x: x[0], transformer.init_params(cfg, keys[0], std=0.2)["layers"])
+    lp = transformer.init_params(cfg, keys[0], std=0.2)["layers"][0]
     for i, name in enumerate(("attn_norm", "mlp_norm", "q_norm", "k_norm")):  # random gains: a swapped norm shows
         lp[name] = 1.0 + 0.3 * jax.random.normal(keys[1 + i], lp[name].shape)
     lp = jax.tree_util.tree_map(lambda x: x.astype(dtype), lp)

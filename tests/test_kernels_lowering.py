@@ -29,7 +29,7 @@ TPU = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDev
 def test_kernels_lower_for_the_device_backends(platform, impl, block, dtype, head_dim, heads, kv_heads, hidden, mlp):
     cfg = ModelConfig(family="qwen3", vocab_size=128, hidden_size=hidden, intermediate_size=mlp, num_layers=1,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True)
-    lp = jax.tree_util.tree_map(lambda shape: S(shape[1:], dtype), transformer.param_shapes(cfg)["layers"],
+    lp = jax.tree_util.tree_map(lambda shape: S(shape, dtype), transformer.param_shapes(cfg)["layers"][0],
                                 is_leaf=lambda x: isinstance(x, tuple))
     cache = S((2, 4000, kv_heads, head_dim), dtype)  # not a multiple of the 512-row tile
     i32 = lambda *shape: S(shape, jnp.int32)

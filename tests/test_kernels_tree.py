@@ -105,7 +105,8 @@ def test_forward_with_the_tree_kernel_equals_the_reference_forward():
     params = transformer.init_params(cfg, jax.random.key(0), std=0.2)
     prompt = jax.random.randint(jax.random.key(1), (2, 36), 0, 64)
     cache = transformer.KVCache.zeros(cfg, 2, 40)
-    cache = dataclasses.replace(cache, k=cache.k.at[:, :, 36:].set(jnp.nan), v=cache.v.at[:, :, 36:].set(jnp.nan))
+    nan_tail = lambda layers: tuple(x.at[:, :, 36:].set(jnp.nan) for x in layers)  # rows 36.. of [B, Hkv, S, Dh]
+    cache = dataclasses.replace(cache, k=nan_tail(cache.k), v=nan_tail(cache.v))
     cache = transformer.forward(params, cfg, prompt, jnp.broadcast_to(jnp.arange(36), (2, 36)), cache).cache
     parent, depth = random_tree(jax.random.key(2), 2, 9)
     ctx_len = jnp.array([11, 34])  # the root (anchor) sits at position ctx_len

@@ -40,9 +40,12 @@ def rotation(head_dim: int, dtype) -> np.ndarray:
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rot: jax.Array) -> jax.Array:
     """Rotate-half RoPE of x [R, Dh] with cos/sin [R, Dh] in x's dtype (as `transformer.rope`).
 
-    rotate_half is a matmul with the signed permutation R (HIGHEST precision keeps float32 exact):
-    it avoids lane slicing / concatenation, which not every backend lowers for Dh < 128."""
-    rotated = jnp.dot(x, rot, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    rotate_half is a matmul with the signed permutation R: it avoids lane slicing / concatenation,
+    which not every backend lowers for Dh < 128. float32 takes HIGHEST precision (exact: one nonzero
+    per column); bf16 takes the default (bf16 x bf16 products accumulated in float32 are exact too,
+    and Mosaic rejects a HIGHEST-precision dot on bf16 operands)."""
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    rotated = jnp.dot(x, rot, precision=precision, preferred_element_type=jnp.float32)
     return x * cos + rotated.astype(x.dtype) * sin
 
 

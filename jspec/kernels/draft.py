@@ -1,13 +1,31 @@
-"""Fused DFlash draft layer: a chain of two Pallas kernels per layer, intermediates kept on chip.
+"""Fused DFlash draft layer by Pallas kernels, beside its pure-jnp reference `ref_draft_layer`.
 
-Kernel 1 (attention half), one program per block of W query rows and per KV-head group:
+TPU (Mosaic), a chain of two kernels per layer, intermediates kept on chip. bf16 operands feed the MXU
+at default precision with float32 accumulation (`preferred_element_type`); tile sizes per generation
+come from `jspec.kernels._backend.TPU_TILES` (bytes per tile stated there).
+Kernel 1 (attention half), grid (query block, KV-head group, context tile); the group's weight columns
+(wq / wk / wv [D, group heads x Dh], wo rows) are one block per group, fetched once per group while the
+context streams tile by tile (at Qwen3-8B shape, bf16, one KV head per step: 4 + 1 + 1 + 4 MiB = 10
+MiB of weights per step, 20 MiB double-buffered, plus 2 x 2 x 512 KiB of K/V tiles):
     input RMSNorm -> q / k / v projections of the block -> q_norm / k_norm -> RoPE -> attention of
     the block over [context K/V rows < anchor (sliding layers: the per-slot window) ; block K/V
     (bidirectional)] by online softmax, the context streamed tile by tile -> o_proj -> residual add.
     Block Q/K/V, scores and the running softmax never leave VMEM; the o_proj partial sums of the
     head groups accumulate in VMEM and the residual is written once.
-Kernel 2 (MLP half), one program per row tile, the intermediate dimension F streamed in tiles:
+Kernel 2 (MLP half), grid (row tile, F tile), the intermediate dimension F streamed in tiles of
+    block_f columns (gate / up [D, block_f], down [block_f, D]: 12 MiB per step at block_f 512, bf16):
     post-attention RMSNorm -> SwiGLU (gate / up tile) -> down-projection accumulated in VMEM -> residual.
+
+GPU (Triton lowering of `pallas_call`, impl "portable"), a chain of five kernels with every block a
+power of two and within shared memory (`jspec.kernels._backend.gpu_tiles`):
+    projection, grid (query block, KV head, group + 2): one program per q / k / v head, the input RMSNorm
+        folded into its K loop over D (q_norm / k_norm and RoPE on the [Wp, Dh] result);
+    attention, grid (query block, q head): block keys, then the context in tiles of kv_rows rows;
+    o_proj + residual, grid (row tile, D / cols), K loop over Hq*Dh;
+    gate / up, grid (row tile, F / cols), the post-attention RMSNorm in the K loop over D, SwiGLU out;
+    down + residual, grid (row tile, D / cols), K loop over F.
+The [rows, F] activations and q / k / v / attention outputs are the only intermediates in memory
+(about 1 MiB at block 16, against the layer's 380 MiB of bf16 weights).
 
 `ref_draft_layer` is the specification: exactly one layer of `jspec.drafters.dflash.draft_blocks`.
 Shapes: h [B, A, W, D] (A blocks of W slots per row; block a sits at positions anchor_pos[b, a] + i),
@@ -34,7 +52,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.kernels import _tiles
-from jspec.kernels._backend import kv_heads_per_step, pallas_setup, pow2_at_most, query_rows, require_pow2, round_up
+from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
+                                    pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
+                                    tpu_tiles, vmem_limit)
 from jspec.models import transformer
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 
@@ -80,21 +100,23 @@ class _Options:
     cfg: ModelConfig
     impl: str
     interpret: Any
-    block_k: int
+    block_k: int | None
     kv_heads: int | None
     block_f: int | None
     block_rows: int
 
 
 def draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, *, impl: str | None = None,
-                interpret: Any = None, block_k: int = 512, kv_heads: int | None = None, block_f: int | None = None,
-                block_rows: int = 256) -> jax.Array:
+                interpret: Any = None, block_k: int | None = None, kv_heads: int | None = None,
+                block_f: int | None = None, block_rows: int = 256) -> jax.Array:
     """One draft layer by the fused kernels; same contract and result as `ref_draft_layer`.
 
-    impl / interpret: see `jspec.kernels.pallas_setup`. block_k: context rows per tile (multiple of 8;
-    S need not be a multiple). kv_heads: KV heads per grid step on TPU (default: the fewest whose
-    lanes are a multiple of 128). block_f: MLP intermediate columns per step (must divide F; default
-    the largest power of two in [128, 2048] that does, else F). block_rows: MLP rows per program."""
+    impl / interpret: see `jspec.kernels.pallas_setup`. block_k: context rows per tile (TPU: a multiple
+    of 8, default the generation's `ctx_rows`; GPU: rounded down to a power of two, default 64 rows for
+    bf16, 32 for float32; S need not be a multiple). kv_heads: KV heads per grid step on TPU (default:
+    the fewest whose lanes are a multiple of 128). block_f: MLP intermediate columns per step on TPU
+    (must divide F; default the largest multiple of 128 dividing F whose gate + up + down tiles fit the
+    generation's `mlp_step_bytes`). block_rows: MLP rows per program on TPU."""
     impl, interpret = pallas_setup(impl, interpret)
     opts = _Options(cfg, impl, interpret, block_k, kv_heads, block_f, block_rows)
     return _fused(opts, h, lp, ctx_k, ctx_v, jnp.asarray(anchor_pos, jnp.int32), jnp.asarray(window, jnp.int32))
@@ -104,16 +126,11 @@ def draft_stack(params: dict, cfg: ModelConfig, embed: jax.Array, ctx_k: jax.Arr
                 anchor_pos: jax.Array, block_tokens: jax.Array, **options) -> jax.Array:
     """`dflash.draft_blocks` with every layer fused: final-normed hidden states [B, A, W, D].
 
-    params: the drafter's parameters (stacked `layers`, `norm`); cfg: its layer stack's config;
+    params: the drafter's parameters (per-layer `layers`, `norm`); cfg: its layer stack's config;
     ctx_k / ctx_v [Ld, B, S, Hkv, Dh]; block_tokens [B, A, W]; options: as `draft_layer`."""
     h = embed[block_tokens]
-    windows = jnp.asarray(cfg.windows, jnp.int32)
-
-    def layer(h, xs):
-        lp, kc, vc, window = xs
-        return draft_layer(h, lp, kc, vc, anchor_pos, window, cfg, **options), None
-
-    h, _ = lax.scan(layer, h, (params["layers"], ctx_k, ctx_v, windows))
+    for i, lp in enumerate(params["layers"]):
+        h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg, **options)
     return transformer.rms_norm(h, params["norm"], cfg.rms_norm_eps)
 
 
@@ -140,8 +157,12 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
     cfg = opts.cfg
     b, a, w, d = h.shape
     s, hkv, dh = ctx_k.shape[1], cfg.num_kv_heads, cfg.head_dim
+    f = lp["w_gate"].shape[1]
     if opts.impl == "portable" and not opts.interpret:
-        require_pow2(hidden_size=d, head_dim=dh, block_f=opts.block_f or _f_tile(lp["w_gate"].shape[1]))
+        require_pow2(head_dim=dh)
+        if min(pow2_divisor(n, 16) for n in (d, f, cfg.num_heads * dh)) < 16:
+            raise ValueError(f"the GPU (Triton-lowered) kernels need the hidden size ({d}), MLP width ({f}) "
+                             "and Hq * Dh to be multiples of 16: use kernels='reference' for this model")
     wp = query_rows(w, opts.impl)  # padded slots are no block's keys and are dropped
     dt = jnp.result_type(h.dtype, *(lp[k].dtype for k in ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm")))
     anchor = anchor_pos.reshape(b * a)
@@ -159,36 +180,34 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
         ctx_k.reshape(b, s, hkv * dh), ctx_v.reshape(b, s, hkv * dh),
     )
     common = dict(cfg=cfg, a=a, w=w, dt=dt)
+    mlp = (row(lp["mlp_norm"]), lp["w_gate"], lp["w_up"], lp["w_down"])
     if opts.impl == "tpu":
+        tiles = tpu_tiles()
         hk = opts.kv_heads or kv_heads_per_step(hkv, dh)
-        bk = min(round_up(opts.block_k, 8), round_up(s, 8))
-        h_attn = _attn_tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=opts.interpret, **common)
+        bk = min(round_up(opts.block_k or tiles.ctx_rows, 8), round_up(s, 8))
+        h_attn = _attn_tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=opts.interpret, tiles=tiles,
+                                **common)
+        wg = lp["w_gate"]
+        block_f = opts.block_f or mlp_f_tile(d, f, wg.dtype.itemsize, tiles.mlp_step_bytes)
+        if f % block_f:
+            raise ValueError(f"block_f {block_f} must divide the MLP width {f}")
+        rows = h_attn.reshape(b * a * wp, d)
+        block_rows = min(round_up(opts.block_rows, 8), rows.shape[0])
+        out = _mlp_tpu_call((rows, *mlp), eps=cfg.rms_norm_eps, block_f=block_f, block_rows=block_rows,
+                            interpret=opts.interpret, tiles=tiles)
     else:
-        bk = pow2_at_most(min(opts.block_k, s))
-        h_attn = _attn_portable_call(scalars, tensors, block_k=bk, interpret=opts.interpret, **common)
-    f = lp["w_gate"].shape[1]
-    block_f = opts.block_f or _f_tile(f)
-    if f % block_f:
-        raise ValueError(f"block_f {block_f} must divide the MLP width {f}")
-    rows = h_attn.reshape(b * a * wp, d)
-    block_rows = min(round_up(opts.block_rows, 8), rows.shape[0])
-    if opts.impl != "tpu":
-        block_rows = pow2_at_most(block_rows)
-    mlp = (rows, row(lp["mlp_norm"]), lp["w_gate"], lp["w_up"], lp["w_down"])
-    call = _mlp_tpu_call if opts.impl == "tpu" else _mlp_portable_call
-    out = call(mlp, eps=cfg.rms_norm_eps, block_f=block_f, block_rows=block_rows, interpret=opts.interpret)
+        gt = gpu_tiles(jnp.dtype(dt).itemsize)
+        bk = pow2_at_most(min(opts.block_k or gt.kv_rows, s))
+        out = _layer_gpu(scalars, tensors, mlp, block_k=bk, gt=gt, interpret=opts.interpret, **common)
     return out.reshape(b, a, wp, d)[:, :, :w]
 
 
-def _f_tile(f: int) -> int:
-    """The largest power of two in [128, 2048] dividing f (lane-aligned on TPU, a power of two as GPU
-    lowerings want), else f."""
-    tile = 2048
-    while tile >= 128:
-        if f % tile == 0:
-            return tile
-        tile //= 2
-    return f
+def mlp_f_tile(d: int, f: int, itemsize: int, step_bytes: int) -> int:
+    """MLP intermediate columns per TPU grid step: the largest multiple of 128 dividing f whose gate, up
+    and down tiles (3 x d x block_f x itemsize bytes) fit step_bytes; f itself when no multiple of 128
+    divides it."""
+    cap = max(128, step_bytes // (3 * d * itemsize))
+    return largest_divisor_tile(f, cap, 128)
 
 
 def _project(x, wq_ref, wk_ref, wv_ref, qn, kn, cos, sin, rot, c: int, group: int, dh: int, eps: float, dt):
@@ -262,7 +281,7 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
             out_ref[...] = (h_ref[...] + o_s[...].astype(dt)).astype(out_ref.dtype)
 
 
-def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k, interpret):
+def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k, interpret, tiles: TpuTiles):
     hp, cos, sin, an, qn, kn, rot, wq, wk, wv, wo, kc, vc = tensors
     ba, wp, d = hp.shape
     s = kc.shape[1]
@@ -300,8 +319,9 @@ def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k,
         pltpu.VMEM((hk, group * wp, dh), jnp.float32),
         pltpu.VMEM((wp, d), jnp.float32),
     ]
-    # Double-buffered blocks plus scratch, at least the usual 32 MiB default, at most 64 MiB (v7x's VMEM).
-    blocks = [(wp, d, hp.dtype), (d, hk * (2 * group + 2) * dh, wq.dtype), (2 * block_k, hk * dh, kc.dtype)]
+    # Double-buffered blocks plus scratch. At Qwen3-8B shape, bf16, hk 1: h / out 2 x 128 KiB, weights
+    # 4096 x 1280 x 2 B = 10 MiB, K + V tiles 2 x 512 KiB (2048 rows): 2 x 11.3 MiB + 0.6 MiB of scratch.
+    blocks = [(2 * wp, d, hp.dtype), (d, hk * (2 * group + 2) * dh, wq.dtype), (2 * block_k, hk * dh, kc.dtype)]
     scratch_bytes = 4 * (hk * group * wp * (dh + 2 * _tiles.STAT_LANES) + 2 * wp * d)
     need = sum(2 * r * c * jnp.dtype(t).itemsize for r, c, t in blocks) + scratch_bytes
     kernel = functools.partial(_attn_tpu_kernel, hk=hk, group=group, dh=dh, wp=wp, w=w, eps=cfg.rms_norm_eps,
@@ -313,28 +333,79 @@ def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k,
                                                scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((ba, wp, d), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=int(min(max(need + 8 * _MIB, 32 * _MIB), 64 * _MIB))),
+                                             vmem_limit_bytes=vmem_limit(need, tiles)),
         interpret=interpret,
     )(*scalars, *tensors)
 
 
-def _attn_portable_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, qn_ref, kn_ref, rot_ref,
-                          wq_ref, wk_ref, wv_ref, wo_ref, kc_ref, vc_ref, out_ref, *,
-                          hkv, group, dh, wp, w, eps, block_k, scale, dt):
+def _gpu_params(gt: GpuTiles) -> pltriton.CompilerParams:
+    return pltriton.CompilerParams(num_warps=gt.warps, num_stages=gt.stages)
+
+
+def _row_norm_scale(x_ref, chunk: int, eps: float):
+    """rsqrt(mean(x^2) + eps) [R, 1] of the rows of x_ref [R, D], read in chunks of `chunk` columns."""
+    d = x_ref.shape[1]
+
+    def step(c, acc):
+        x = x_ref[:, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+        return acc + jnp.sum(x * x, axis=1, keepdims=True)
+
+    ss = lax.fori_loop(0, d // chunk, step, jnp.zeros((x_ref.shape[0], 1), jnp.float32))
+    return lax.rsqrt(ss / d + eps)
+
+
+def _normed_matmul(x_ref, n_ref, inv, w_refs, chunk: int):
+    """[rms_norm(x) @ w for w in w_refs] in float32 [R, N], the norm (as `_tiles.rms_norm`: scale in
+    float32, cast back, times the gain) applied chunk by chunk inside the K loop over D."""
+    d = x_ref.shape[1]
+
+    def step(c, accs):
+        cols = pl.ds(c * chunk, chunk)
+        x = x_ref[:, cols]
+        x = n_ref[:, cols] * (x.astype(jnp.float32) * inv).astype(x.dtype)
+        return tuple(acc + _tiles.mm(x.astype(jnp.result_type(x.dtype, w.dtype)), w[cols, :])
+                     for acc, w in zip(accs, w_refs))
+
+    zeros = tuple(jnp.zeros((x_ref.shape[0], w.shape[1]), jnp.float32) for w in w_refs)
+    return lax.fori_loop(0, d // chunk, step, zeros)
+
+
+def _proj_gpu_kernel(h_ref, cos_ref, sin_ref, an_ref, qn_ref, kn_ref, rot_ref, wq_ref, wk_ref, wv_ref,
+                     q_ref, k_ref, v_ref, *, group, eps, chunk, dt):
+    """One head's projection of one query block: q heads j < group, then k (j == group), v."""
+    j = pl.program_id(2)
+    inv = _row_norm_scale(h_ref, chunk, eps)
+    cos, sin, rot = cos_ref[...], sin_ref[...], rot_ref[...]
+
+    @pl.when(j < group)
+    def _q():
+        (q,) = _normed_matmul(h_ref, an_ref, inv, (wq_ref,), chunk)
+        q = _tiles.rope(_tiles.rms_norm(q.astype(dt), qn_ref[...], eps), cos, sin, rot)
+        q_ref[...] = q.astype(q_ref.dtype)
+
+    @pl.when(j == group)
+    def _k():
+        (k,) = _normed_matmul(h_ref, an_ref, inv, (wk_ref,), chunk)
+        k_ref[...] = _tiles.rope(_tiles.rms_norm(k.astype(dt), kn_ref[...], eps), cos, sin, rot).astype(k_ref.dtype)
+
+    @pl.when(j == group + 1)
+    def _v():
+        (v,) = _normed_matmul(h_ref, an_ref, inv, (wv_ref,), chunk)
+        v_ref[...] = v.astype(v_ref.dtype)
+
+
+def _attn_gpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, w, block_k, scale, dt):
+    """One q head of one query block: its block's keys (bidirectional), then the visible context."""
     i = pl.program_id(0)
     lo, hi, window = lo_ref[i], hi_ref[i], win_ref[0]
     s = kc_ref.shape[0]
+    wp, dh = q_ref.shape
     first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
-    x = _tiles.rms_norm(h_ref[...], an_ref[...], eps)
+    q = q_ref[...]
     keys = lax.broadcasted_iota(jnp.int32, (1, wp), 1) < w  # padded slots are nobody's keys
-    qs, states = [], []  # per query head (no row stacking: GPU lowerings concatenate only along lanes)
-    for c in range(hkv):
-        q_heads, k, v = _project(x, wq_ref, wk_ref, wv_ref, qn_ref[...], kn_ref[...], cos_ref[...], sin_ref[...],
-                                 rot_ref[...], c, group, dh, eps, dt)
-        qs += q_heads
-        states += [_tiles.attend(_tiles.init_stats(wp, dh), q, k, v, keys, scale) for q in q_heads]
+    state = _tiles.attend(_tiles.init_stats(wp, dh), q, kb_ref[...], vb_ref[...], keys, scale)
 
-    def tile(t, states):
+    def tile(t, state):
         # The last tile is shifted back to end at row S (no read past the cache); rows it shares with
         # the previous tile are masked so that no key is counted twice.
         start = jnp.minimum(t * block_k, s - block_k)
@@ -342,43 +413,110 @@ def _attn_portable_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_r
         vis = (rows >= t * block_k) & _context_mask(rows, hi, window, wp)
         rows_c = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         readable = (rows_c >= jnp.maximum(lo, t * block_k)) & (rows_c < hi)
-        out = []
-        for c in range(hkv):
-            cols = pl.ds(c * dh, dh)
-            k = kc_ref[pl.ds(start, block_k), cols].astype(dt)
-            v = jnp.where(readable, vc_ref[pl.ds(start, block_k), cols], 0).astype(dt)
-            out += [_tiles.attend(states[head], qs[head], k, v, vis, scale)
-                    for head in range(c * group, (c + 1) * group)]
-        return out
+        k = kc_ref[pl.ds(start, block_k), :].astype(dt)
+        v = jnp.where(readable, vc_ref[pl.ds(start, block_k), :], 0).astype(dt)
+        return _tiles.attend(state, q, k, v, vis, scale)
 
-    states = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, states)
-    o_proj = jnp.zeros(out_ref.shape, jnp.float32)
-    for head, (_, l, acc) in enumerate(states):
-        o = _tiles.finish(l, acc).astype(dt)
-        o_proj = o_proj + _tiles.mm(o, wo_ref[head * dh:(head + 1) * dh, :])
-    out_ref[...] = (h_ref[...] + o_proj.astype(dt)).astype(out_ref.dtype)
+    _, l, acc = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, state)
+    o_ref[...] = _tiles.finish(l, acc).astype(o_ref.dtype)
 
 
-def _attn_portable_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, block_k, interpret):
-    hp = tensors[0]
-    ba, wp, d = hp.shape
-    dh = cfg.head_dim
-    kernel = functools.partial(_attn_portable_kernel, hkv=cfg.num_kv_heads, group=cfg.num_heads // cfg.num_kv_heads,
-                               dh=dh, wp=wp, w=w, eps=cfg.rms_norm_eps, block_k=block_k, scale=dh**-0.5, dt=dt)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
-    per_block = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda i: (i, 0, 0))
-    per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda i: (i // a, 0, 0))
-    specs = ([whole(x) for x in scalars] + [per_block(x) for x in tensors[:3]] + [whole(x) for x in tensors[3:11]]
-             + [per_row(x) for x in tensors[11:]])
+def _matmul_residual_kernel(x_ref, w_ref, r_ref, out_ref, *, chunk):
+    """out = r + (x @ w) for one [rows, cols] output tile, the K loop over x's columns."""
+
+    def step(c, acc):
+        cols = pl.ds(c * chunk, chunk)
+        x = x_ref[:, cols]
+        return acc + _tiles.mm(x.astype(jnp.result_type(x.dtype, w_ref.dtype)), w_ref[cols, :])
+
+    acc = lax.fori_loop(0, x_ref.shape[1] // chunk, step, jnp.zeros(out_ref.shape, jnp.float32))
+    r = r_ref[...]
+    out_ref[...] = (r + acc.astype(jnp.result_type(r.dtype, w_ref.dtype))).astype(out_ref.dtype)
+
+
+def _matmul_residual(x, wmat, r, gt: GpuTiles, interpret):
+    """r + x @ wmat for x [N, K], wmat [K, M], r [N, M] (N a multiple of 16): grid (row tile, column tile)."""
+    n, k = x.shape
+    m = wmat.shape[1]
+    br, bn, chunk = pow2_divisor(n, gt.rows), pow2_divisor(m, gt.cols), pow2_divisor(k, gt.k_chunk)
     return pl.pallas_call(
-        kernel,
-        grid=(ba,),
-        compiler_params=pltriton.CompilerParams(),
-        in_specs=specs,
-        out_specs=per_block(hp),
-        out_shape=jax.ShapeDtypeStruct((ba, wp, d), jnp.result_type(hp.dtype, dt)),
+        functools.partial(_matmul_residual_kernel, chunk=chunk),
+        grid=(n // br, m // bn),
+        in_specs=[pl.BlockSpec((br, k), lambda r_, c: (r_, 0)), pl.BlockSpec((k, bn), lambda r_, c: (0, c)),
+                  pl.BlockSpec((br, bn), lambda r_, c: (r_, c))],
+        out_specs=pl.BlockSpec((br, bn), lambda r_, c: (r_, c)),
+        out_shape=jax.ShapeDtypeStruct((n, m), jnp.result_type(r.dtype, wmat.dtype)),
+        compiler_params=_gpu_params(gt),
         interpret=interpret,
-    )(*scalars, *tensors)
+    )(x, wmat, r)
+
+
+def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt: GpuTiles, interpret):
+    """The whole layer on GPU: projection, attention, o_proj + residual, gate / up, down + residual."""
+    hp, cos, sin, an, qn, kn, rot, wq, wk, wv, wo, kc, vc = tensors
+    ba, wp, d = hp.shape
+    hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group, eps = hq // hkv, cfg.rms_norm_eps
+    chunk = pow2_divisor(d, gt.k_chunk)
+    params = _gpu_params(gt)
+    x_dtype = jnp.result_type(hp.dtype, an.dtype)
+
+    blk = lambda i, c, j: (i, 0, 0)
+    fixed = lambda i, c, j: (0, 0)
+    q_head = lambda i, c, j: (i, 0, c * group + jnp.minimum(j, group - 1))
+    kv_head = lambda i, c, j: (i, 0, c)
+    q, k, v = pl.pallas_call(
+        functools.partial(_proj_gpu_kernel, group=group, eps=eps, chunk=chunk, dt=dt),
+        grid=(ba, hkv, group + 2),
+        in_specs=[pl.BlockSpec((None, wp, d), blk), pl.BlockSpec((None, wp, dh), blk),
+                  pl.BlockSpec((None, wp, dh), blk), pl.BlockSpec((1, d), fixed), pl.BlockSpec((1, dh), fixed),
+                  pl.BlockSpec((1, dh), fixed), pl.BlockSpec((dh, dh), fixed),
+                  pl.BlockSpec((d, dh), lambda i, c, j: (0, c * group + jnp.minimum(j, group - 1))),
+                  pl.BlockSpec((d, dh), lambda i, c, j: (0, c)), pl.BlockSpec((d, dh), lambda i, c, j: (0, c))],
+        out_specs=[pl.BlockSpec((None, wp, dh), q_head), pl.BlockSpec((None, wp, dh), kv_head),
+                   pl.BlockSpec((None, wp, dh), kv_head)],
+        out_shape=[jax.ShapeDtypeStruct((ba, wp, hq * dh), dt), jax.ShapeDtypeStruct((ba, wp, hkv * dh), dt),
+                   jax.ShapeDtypeStruct((ba, wp, hkv * dh), dt)],
+        compiler_params=params,
+        interpret=interpret,
+    )(hp, cos, sin, an, qn, kn, rot, wq, wk, wv)
+
+    s = kc.shape[1]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
+    attn = pl.pallas_call(
+        functools.partial(_attn_gpu_kernel, w=w, block_k=block_k, scale=dh**-0.5, dt=dt),
+        grid=(ba, hq),
+        in_specs=[*(whole(x) for x in scalars), pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h)),
+                  pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h // group)),
+                  pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h // group)),
+                  pl.BlockSpec((None, s, dh), lambda i, h: (i // a, 0, h // group)),
+                  pl.BlockSpec((None, s, dh), lambda i, h: (i // a, 0, h // group))],
+        out_specs=pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h)),
+        out_shape=jax.ShapeDtypeStruct((ba, wp, hq * dh), dt),
+        compiler_params=params,
+        interpret=interpret,
+    )(*scalars, q, k, v, kc, vc)
+
+    n = ba * wp
+    h2 = hp.reshape(n, d)
+    h_attn = _matmul_residual(attn.reshape(n, hq * dh), wo, h2.astype(jnp.result_type(hp.dtype, dt)), gt,
+                              interpret)
+
+    norm, wg, wu, wd = mlp
+    f = wg.shape[1]
+    br, bn = pow2_divisor(n, gt.rows), pow2_divisor(f, gt.cols)
+    acts = pl.pallas_call(
+        functools.partial(_gate_up_gpu_kernel, eps=eps, chunk=chunk),
+        grid=(n // br, f // bn),
+        in_specs=[pl.BlockSpec((br, d), lambda r, c: (r, 0)), pl.BlockSpec((1, d), lambda r, c: (0, 0)),
+                  pl.BlockSpec((d, bn), lambda r, c: (0, c)), pl.BlockSpec((d, bn), lambda r, c: (0, c))],
+        out_specs=pl.BlockSpec((br, bn), lambda r, c: (r, c)),
+        out_shape=jax.ShapeDtypeStruct((n, f), jnp.result_type(h_attn.dtype, norm.dtype, wg.dtype)),
+        compiler_params=params,
+        interpret=interpret,
+    )(h_attn, norm, wg, wu)
+    out_dtype = jnp.result_type(h_attn.dtype, norm.dtype, wg.dtype, wd.dtype)
+    return _matmul_residual(acts, wd, h_attn.astype(out_dtype), gt, interpret)
 
 
 def _swiglu(x, wg, wu, wd):
@@ -405,13 +543,15 @@ def _mlp_tpu_kernel(h_ref, n_ref, wg_ref, wu_ref, wd_ref, out_ref, x_s, acc_s, *
         out_ref[...] = (h + acc_s[...].astype(jnp.result_type(h.dtype, wd_ref.dtype))).astype(out_ref.dtype)
 
 
-def _mlp_tpu_call(args, *, eps, block_f, block_rows, interpret):
+def _mlp_tpu_call(args, *, eps, block_f, block_rows, interpret, tiles: TpuTiles):
     h, norm, wg, wu, wd = args
     n, d = h.shape
     f = wg.shape[1]
     grid = (-(-n // block_rows), f // block_f)
     rows = pl.BlockSpec((block_rows, d), lambda r, k: (r, 0))
     out_dtype = jnp.result_type(h.dtype, norm.dtype, wg.dtype, wd.dtype)
+    # Double-buffered gate / up / down tiles and row blocks, plus the x / acc scratch. At Qwen3-8B shape,
+    # bf16, block_f 512, 16 rows: 2 x (12 MiB + 256 KiB) + 384 KiB.
     need = 2 * (3 * d * block_f * wg.dtype.itemsize + 2 * block_rows * d * h.dtype.itemsize) + 8 * block_rows * d
     return pl.pallas_call(
         functools.partial(_mlp_tpu_kernel, eps=eps, num_f=grid[1]),
@@ -423,34 +563,16 @@ def _mlp_tpu_call(args, *, eps, block_f, block_rows, interpret):
         scratch_shapes=[pltpu.VMEM((block_rows, d), jnp.result_type(h.dtype, norm.dtype)),
                         pltpu.VMEM((block_rows, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=int(min(max(need + 8 * _MIB, 32 * _MIB), 64 * _MIB))),
+                                             vmem_limit_bytes=vmem_limit(need, tiles)),
         interpret=interpret,
     )(h, norm, wg, wu, wd)
 
 
-def _mlp_portable_kernel(h_ref, n_ref, wg_ref, wu_ref, wd_ref, out_ref, *, eps, block_f):
-    x = _tiles.rms_norm(h_ref[...], n_ref[...], eps)
+def _gate_up_gpu_kernel(h_ref, n_ref, wg_ref, wu_ref, out_ref, *, eps, chunk):
+    """SwiGLU activations of one [rows, cols] tile of F: silu(norm(h) @ wg) * (norm(h) @ wu)."""
+    inv = _row_norm_scale(h_ref, chunk, eps)
+    gate, up = _normed_matmul(h_ref, n_ref, inv, (wg_ref, wu_ref), chunk)
+    dt = out_ref.dtype
+    gate, up = gate.astype(dt), up.astype(dt)
+    out_ref[...] = (jax.nn.silu(gate.astype(jnp.float32)).astype(dt) * up).astype(dt)  # as `_swiglu`
 
-    def step(k, acc):
-        cols = pl.ds(k * block_f, block_f)
-        return acc + _swiglu(x, wg_ref[:, cols], wu_ref[:, cols], wd_ref[cols, :])
-
-    acc = lax.fori_loop(0, wg_ref.shape[1] // block_f, step, jnp.zeros(out_ref.shape, jnp.float32))
-    h = h_ref[...]
-    out_ref[...] = (h + acc.astype(jnp.result_type(h.dtype, wd_ref.dtype))).astype(out_ref.dtype)
-
-
-def _mlp_portable_call(args, *, eps, block_f, block_rows, interpret):
-    h, norm, wg, wu, wd = args
-    n, d = h.shape
-    rows = pl.BlockSpec((block_rows, d), lambda r: (r, 0))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda r: (0, 0))
-    return pl.pallas_call(
-        functools.partial(_mlp_portable_kernel, eps=eps, block_f=block_f),
-        grid=(-(-n // block_rows),),
-        compiler_params=pltriton.CompilerParams(),
-        in_specs=[rows, whole(norm), whole(wg), whole(wu), whole(wd)],
-        out_specs=rows,
-        out_shape=jax.ShapeDtypeStruct((n, d), jnp.result_type(h.dtype, norm.dtype, wg.dtype, wd.dtype)),
-        interpret=interpret,
-    )(h, norm, wg, wu, wd)

@@ -11,10 +11,13 @@ Contract (`ref_tree_attention` is the specification):
     are never read into the result (NaN there cannot leak). Query head h reads KV head h // (Hq / Hkv).
 
 Kernels: "tpu" (Mosaic TPU: grid (batch, kv-head group, cache tile), the cache streamed tile by tile
-through the BlockSpec pipeline with tiles outside [window start, ctx_len) skipped without DMA, online
-softmax in VMEM scratch) and "portable" (one program per batch row walking the cache in an in-kernel
-loop; no scalar prefetch, scratch or row concatenation: the GPU variant, lowered through Triton). See
-jspec.kernels for selection.
+through the double-buffered BlockSpec pipeline with tiles outside [window start, ctx_len) skipped
+without DMA, online softmax in VMEM scratch; tile rows and KV heads per step from the generation's
+`TPU_TILES` budget: at Qwen3-8B shape on v5p, 1024 rows x 8 heads x 128 x 2 B = 2 MiB per K tile, K + V
+double-buffered 8 MiB) and "portable" (the GPU variant, lowered through Triton: grid (batch, q head),
+each program walks its KV head's cache in tiles of kv_rows rows [64 bf16 / 32 float32] by an in-kernel
+loop; q [Tp, Dh] + K, V tiles are its dot operands, within shared memory: 48 KiB per pipeline stage at
+Tp 64, bf16). See jspec.kernels for selection.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.kernels import _tiles
-from jspec.kernels._backend import (kv_heads_per_step, pallas_setup, pow2_at_least, pow2_at_most, query_rows,
-                                    require_pow2, round_up)
+from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, pallas_setup, pow2_at_least,
+                                    pow2_at_most, query_rows, require_pow2, round_up, tpu_tiles, vmem_limit)
 
 
 def pack_bits(mask: jax.Array) -> jax.Array:
@@ -74,13 +77,15 @@ def ref_tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bi
 
 def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, *,
                    window_new: bool = True, impl: str | None = None, interpret: Any = None,
-                   block_k: int = 512, kv_heads: int | None = None) -> jax.Array:
+                   block_k: int | None = None, kv_heads: int | None = None) -> jax.Array:
     """Tree attention by a Pallas kernel; same contract and result as `ref_tree_attention`.
 
-    impl / interpret: see `jspec.kernels.pallas_setup`. block_k: cache rows per tile (a multiple of 8;
-    the cache needs no padding: the TPU kernel's last tile overhangs and is masked, the portable
-    kernel shifts its last tile back inside). kv_heads: KV heads per grid step on TPU (default: the
-    fewest whose lanes are a multiple of 128)."""
+    impl / interpret: see `jspec.kernels.pallas_setup`. block_k: cache rows per tile (TPU: a multiple
+    of 8, default the generation's `cache_rows`; GPU: rounded down to a power of two, default 64 for
+    bf16, 32 for float32; the cache needs no padding: the TPU kernel's last tile overhangs and is
+    masked, the portable kernel shifts its last tile back inside). kv_heads: KV heads per grid step on
+    TPU (default: the most whose K tile fits the generation's `cache_tile_bytes`, at least the fewest
+    whose lanes are a multiple of 128)."""
     impl, interpret = pallas_setup(impl, interpret)
     b, t, hq, dh = q.shape
     if impl == "portable" and not interpret:
@@ -102,12 +107,25 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
     scalars = (lo, hi, window.reshape(1))
     tensors = (qf, knf, vnf, pos[:, :, None], pos[:, None, :], bits, kc, vc)
     if impl == "tpu":
-        hk = kv_heads or kv_heads_per_step(hkv, dh)
-        bk = min(round_up(block_k, 8), round_up(s, 8))
-        out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, **common)
+        tiles = tpu_tiles()
+        bk = min(round_up(block_k or tiles.cache_rows, 8), round_up(s, 8))
+        hk = kv_heads or _tpu_kv_heads(hkv, dh, bk, k_cache.dtype.itemsize, tiles.cache_tile_bytes)
+        out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, tiles=tiles, **common)
     else:
-        out = _portable_call(scalars, tensors, block_k=pow2_at_most(min(block_k, s)), interpret=interpret, **common)
+        gt = gpu_tiles(jnp.dtype(q.dtype).itemsize)
+        out = _portable_call(scalars, tensors, block_k=pow2_at_most(min(block_k or gt.kv_rows, s)), gt=gt,
+                             interpret=interpret, **common)
     return out[:, :t].reshape(b, t, hq, dh)
+
+
+def _tpu_kv_heads(hkv: int, dh: int, block_k: int, itemsize: int, tile_bytes: int) -> int:
+    """The most KV heads per TPU step (a divisor of hkv, lanes a multiple of 128) whose K tile
+    [block_k, heads * dh] fits tile_bytes; at least the fewest lane-aligned ones."""
+    best = kv_heads_per_step(hkv, dh)
+    for k in range(best, hkv + 1):
+        if hkv % k == 0 and (k * dh) % 128 == 0 and block_k * k * dh * itemsize <= tile_bytes:
+            best = k
+    return best
 
 
 def layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, **options):
@@ -178,7 +196,7 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
                 o_ref[:, head * dh:(head + 1) * dh] = o[g * tp:(g + 1) * tp].astype(o_ref.dtype)
 
 
-def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret):
+def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret, tiles: TpuTiles):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
     b, s, kv_lanes = kc.shape
     hkv = kv_lanes // dh
@@ -214,30 +232,34 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
             pltpu.VMEM((hk, group * tp, dh), jnp.float32),
         ],
     )
+    # Double-buffered blocks (q / out [tp, hk*group*dh], new K / V, bits, cache K / V tiles) plus scratch.
+    q_bytes = tp * hk * group * dh * qf.dtype.itemsize
+    need = (2 * (2 * q_bytes + 2 * tp * hk * dh * knf.dtype.itemsize + 2 * block_k * hk * dh * kc.dtype.itemsize)
+            + q_bytes + 4 * hk * group * tp * (2 * _tiles.STAT_LANES + dh))
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit(need, tiles)),
         interpret=interpret,
     )(*scalars, *tensors)
 
 
 def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, bits_ref, kc_ref, vc_ref,
-                     o_ref, *, hkv, group, dh, tp, block_k, scale, window_new):
+                     o_ref, *, tp, block_k, scale, window_new):
+    """One q head of one batch row: the new keys its bitmask allows, then the cache in tiles."""
     b = pl.program_id(0)
     lo, hi, window = lo_ref[b], hi_ref[b], win_ref[0]
     s = kc_ref.shape[0]
     first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
     vis_new = _new_visibility(bits_ref, pc_ref[...], pr_ref[...], window, tp, window_new)
     pos = pc_ref[...]
-    # Per query head (no row stacking: GPU lowerings concatenate only along lanes).
-    qs = [q_ref[:, head * dh:(head + 1) * dh] for head in range(hkv * group)]
-    states = [_tiles.attend(_tiles.init_stats(tp, dh), q, kn_ref[:, (head // group) * dh:(head // group + 1) * dh],
-                            vn_ref[:, (head // group) * dh:(head // group + 1) * dh], vis_new, scale)
-              for head, q in enumerate(qs)]
+    q = q_ref[...]
+    dt = q.dtype
+    state = _tiles.attend(_tiles.init_stats(tp, q.shape[1]), q, kn_ref[...], vn_ref[...], vis_new, scale)
 
-    def tile(i, states):
+    def tile(i, state):
         # The last tile is shifted back to end at row S (no read past the cache); rows it shares with
         # the previous tile are masked so that no key is counted twice.
         start = jnp.minimum(i * block_k, s - block_k)
@@ -245,33 +267,30 @@ def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_
         rows_c = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         vis = (rows >= i * block_k) & (rows < hi) & ((window == 0) | (rows > pos - window))
         readable = (rows_c >= jnp.maximum(lo, i * block_k)) & (rows_c < hi)
-        out = []
-        for c in range(hkv):
-            cols = pl.ds(c * dh, dh)
-            k = kc_ref[pl.ds(start, block_k), cols].astype(q_ref.dtype)
-            v = jnp.where(readable, vc_ref[pl.ds(start, block_k), cols], 0).astype(q_ref.dtype)
-            out += [_tiles.attend(states[head], qs[head], k, v, vis, scale)
-                    for head in range(c * group, (c + 1) * group)]
-        return out
+        k = kc_ref[pl.ds(start, block_k), :].astype(dt)
+        v = jnp.where(readable, vc_ref[pl.ds(start, block_k), :], 0).astype(dt)
+        return _tiles.attend(state, q, k, v, vis, scale)
 
-    states = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, states)
-    for head, (_, l, acc) in enumerate(states):
-        o_ref[:, head * dh:(head + 1) * dh] = _tiles.finish(l, acc).astype(o_ref.dtype)
+    _, l, acc = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, state)
+    o_ref[...] = _tiles.finish(l, acc).astype(o_ref.dtype)
 
 
-def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, interpret):
-    qf = tensors[0]
-    b, s, kv_lanes = tensors[6].shape
-    kernel = functools.partial(_portable_kernel, hkv=kv_lanes // dh, group=group, dh=dh, tp=tp, block_k=block_k,
-                               scale=scale, window_new=window_new)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda bi: (0,) * x.ndim)
-    per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi: (bi,) + (0,) * (x.ndim - 1))
+def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, gt: GpuTiles, interpret):
+    qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
+    b, s, kv_lanes = kc.shape
+    hq = qf.shape[2] // dh
+    kernel = functools.partial(_portable_kernel, tp=tp, block_k=block_k, scale=scale, window_new=window_new)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda bi, h: (0,) * x.ndim)
+    per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi, h: (bi,) + (0,) * (x.ndim - 1))
+    head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h))
+    kv_head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h // group))
     return pl.pallas_call(
         kernel,
-        grid=(b,),
-        compiler_params=pltriton.CompilerParams(),
-        in_specs=[whole(x) for x in scalars] + [per_row(x) for x in tensors],
-        out_specs=per_row(qf),
+        grid=(b, hq),
+        compiler_params=pltriton.CompilerParams(num_warps=gt.warps, num_stages=gt.stages),
+        in_specs=[*(whole(x) for x in scalars), head(tp), kv_head(tp), kv_head(tp), per_row(pos_col),
+                  per_row(pos_row), per_row(bits), kv_head(s), kv_head(s)],
+        out_specs=head(tp),
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
         interpret=interpret,
     )(*scalars, *tensors)
