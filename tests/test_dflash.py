@@ -75,7 +75,7 @@ def block_setup(target):
     params = dflash_init(cfg, jax.random.key(3), std=0.3)
     taps = jax.random.normal(jax.random.key(4), (2, 1, 16, target.cfg.hidden_size))
     pos = jnp.arange(16)[None]
-    state = DFlashState(jnp.zeros((1, 1, 24, 2, 16)), jnp.zeros((1, 1, 24, 2, 16)))
+    state = DFlashState.zeros(cfg, 1, 24, jnp.float32)
     state = write_context(params, cfg, state, taps, pos, pos < 16)
     return cfg, params, taps, state
 
@@ -310,7 +310,7 @@ def test_dspark_reports_the_q_it_samples(target):
     out = transformer.forward(target.params, target.cfg, prompt, jnp.arange(16)[None],
                               transformer.KVCache.zeros(target.cfg, 1, 32), taps=dr.taps)
     state = dr.init(params, PrefillInfo(prompt, jnp.array([9]), out.taps), 32)
-    state = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, x.shape[:1] + (n,) + x.shape[2:]), state)
+    state = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), state)  # [B, S, Hkv, Dh]
     tokens = jnp.broadcast_to(jnp.zeros((1, 32), jnp.int32).at[:, :16].set(prompt), (n, 32))
     ctx = DraftContext(tokens, jnp.full((n,), 10), jnp.arange(n, dtype=jnp.uint32), target.params)
     prop, _ = jax.jit(dr.propose)(params, state, ctx)

@@ -27,7 +27,7 @@ def median_seconds(run, args=(), repeats: int = 5, calls: int = 1) -> float:
 
 
 def verify_pass_seconds(params, cfg, batch: int, drafts: int, context: int, cache_size: int,
-                        repeats: int = 5) -> float:
+                        repeats: int = 5, inner: int = INNER) -> float:
     """Median seconds of one target verify pass over [anchor, `drafts` tokens] per row, `context` rows cached.
 
     The weights are arguments of the timed program, not constants folded into it (a constant copy of
@@ -35,19 +35,19 @@ def verify_pass_seconds(params, cfg, batch: int, drafts: int, context: int, cach
     width = drafts + 1
     cache = tm.init_cache(cfg, batch, cache_size, params["embed"].dtype)
     pos = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
-    run = _timed_passes(cfg)
-    return median_seconds(run, (params, cache, jnp.zeros((batch, width), jnp.int32), pos), repeats, INNER)
+    run = _timed_passes(cfg, inner)
+    return median_seconds(run, (params, cache, jnp.zeros((batch, width), jnp.int32), pos), repeats, inner)
 
 
 @functools.lru_cache(maxsize=None)
-def _timed_passes(cfg):
+def _timed_passes(cfg, inner: int = INNER):
     def passes(params, cache, tokens, pos):
         def step(_, carry):  # each pass verifies the previous pass's argmax, so nothing is dead code
             cache, tokens = carry
             hidden, cache, _, _ = tm.forward(params, cfg, tokens, pos, cache, keep_states=True)
             return cache, jnp.argmax(tm.logits(params, cfg, hidden), axis=-1).astype(jnp.int32)
 
-        return jax.lax.fori_loop(0, INNER, step, (cache, tokens))[1]
+        return jax.lax.fori_loop(0, inner, step, (cache, tokens))[1]
 
     return jax.jit(passes)
 

@@ -95,7 +95,7 @@ def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
 
 
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
-    """Context K, V [Ld, B, T, Hkv, Dh] of the fused features at `positions` [B, T], for every layer."""
+    """Context K, V of the fused features at `positions` [B, T]: per layer [B, T, Hkv, Dh] (tuples)."""
     lc = cfg.layers
     h_ctx = fuse(params, cfg, taps)
     b, t, _ = h_ctx.shape
@@ -108,7 +108,7 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
         return k, v
 
     ks, vs = zip(*(one(lp) for lp in params["layers"]))
-    return jnp.stack(ks), jnp.stack(vs)
+    return ks, vs
 
 
 def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
@@ -116,7 +116,7 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
-    ctx_k, ctx_v [Ld, B, S, Hkv, Dh]: context rows (positions = row index). Block a sees context rows
+    ctx_k, ctx_v: per layer [B, S, Hkv, Dh] context rows (positions = row index). Block a sees context rows
     strictly before its anchor (sliding layers: and j >= anchor + i - (W_s - 1) for slot i) and its
     own block, bidirectionally; never another block. Rows no block may see are zeroed, so whatever
     they hold (rejected or unwritten memory) cannot leak.
@@ -155,18 +155,27 @@ def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DFlashState:
-    k: jax.Array  # [Ld, B, S, Hkv, Dh] context keys at committed positions
-    v: jax.Array
+    """The context cache: one buffer per draft layer (a slice of a stacked one is a copy per round)."""
+
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, Dh] context keys at committed positions
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, cfg: DFlashConfig, batch: int, size: int, dtype) -> "DFlashState":
+        lc = cfg.layers
+        shape = (batch, size, lc.num_kv_heads, lc.head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(lc.num_layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(lc.num_layers)))
 
 
 def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, positions, keep) -> DFlashState:
     """Project taps [n, B, T, H] at positions [B, T] into the context cache where keep [B, T]."""
     k, v = context_kv(params, cfg, taps, positions)
-    s = state.k.shape[2]
+    s = state.k[0].shape[1]
     rows = jnp.where(keep, positions, s)  # out of range: dropped
     b_idx = jnp.arange(positions.shape[0])[:, None]
-    return DFlashState(state.k.at[:, b_idx, rows].set(k.astype(state.k.dtype), mode="drop"),
-                       state.v.at[:, b_idx, rows].set(v.astype(state.v.dtype), mode="drop"))
+    write = lambda cache, new: tuple(c.at[b_idx, rows].set(n.astype(c.dtype), mode="drop") for c, n in zip(cache, new))
+    return DFlashState(write(state.k, k), write(state.v, v))
 
 
 def target_head(target_params: dict, target_cfg, hidden: jax.Array) -> jax.Array:
@@ -204,11 +213,8 @@ class DFlash(Drafter):
         validate_against_target(self.cfg, target_cfg)
 
     def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> DFlashState:
-        lc = self.cfg.layers
         b, p = prefill.prompts.shape
-        shape = (lc.num_layers, b, cache_size, lc.num_kv_heads, lc.head_dim)
-        dtype = dparams["fc"].dtype
-        state = DFlashState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        state = DFlashState.zeros(self.cfg, b, cache_size, dparams["fc"].dtype)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         # Committed after prefill: the prompt (the first new token is the pending anchor).
         return write_context(dparams, self.cfg, state, prefill.taps, positions, positions < prefill.prompt_len[:, None])
