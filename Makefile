@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.11:
 #   make demo   creates .venv, installs jspec, runs the main job (the built-in models, speculative vs AR)
 #   make test   creates .venv, installs jspec with its test extra, runs the test suite
+#               (and .venv-aot, the interpreter of the deviceless TPU / H200 compile tests)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,12 +17,23 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# A second interpreter for deviceless TPU / H200 compiles: the base venv's packages (through a .pth
+# file) plus libtpu and the CUDA plugin, kept out of $(VENV) because with them every plain jax import
+# probes for accelerators (slow, noisy).
+AOT_PINS := libtpu==0.0.42.1 jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
+
+$(VENV)-aot/.done: $(VENV)/.base
+	$(PYTHON) -m venv $(VENV)-aot
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$($(VENV)-aot/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/jspec-base.pth"
+	$(VENV)-aot/bin/python -m pip install -q $(AOT_PINS)
+	touch $@
+
 demo: $(VENV)/.base
 	$(VENV)/bin/jspec generate
 
 # The suite runs in four worker processes (pytest-xdist, a test file per worker at a time): tiny models
 # are compile-bound and one process uses about 1.5 of the 2 cores.
-test: $(VENV)/.test
+test: $(VENV)/.test $(VENV)-aot/.done
 	$(PY) -m pytest -n 4 --dist loadfile
 
 bench: $(VENV)/.base
@@ -36,4 +48,4 @@ builtin: $(VENV)/.base
 	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) $(VENV)-aot demo_out .pytest_cache

@@ -79,9 +79,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--bandwidth-gbs", type=float,
                    help="memory bandwidth for the roofline (default: the spec sheet's for known accelerators, else "
                         "measured); on the CPU the roofline is reported only with this option")
+    x = p.add_argument_group("deviceless compile (no accelerator needed: bytes per round from the compiled HLO)")
+    x.add_argument("--aot", choices=["tpu-v5e", "tpu-v5p", "tpu-v6e", "h200"],
+                   help="compile the speculative and AR loops of --shape (default qwen3-8b) for this chip without "
+                        "one and report HBM bytes per decode round against the ideal (jspec.aot); needs libtpu / "
+                        "jax-cuda12-plugin (pip install 'jspec[aot]', or the .venv-aot interpreter of `make test`)")
+    x.add_argument("--aot-quick", action="store_true",
+                   help="with --aot: batch 1, context 4k, greedy only (chain, tree, AR: 3 compiles)")
+    x.add_argument("--aot-shape", help="with --aot: a shape of jspec.aot.bench.shapes() instead of --shape "
+                                       "(e.g. tiny, a 4-layer model for tests)")
+    x.add_argument("--json", help="with --aot: write the table's rows to this JSON file")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="folder for bench.json and the PNG plots (default bench_out)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def aot_main(args) -> int:
+    """`--aot CHIP`: run jspec.aot.bench here if this process can compile for CHIP, else re-execute
+    the same command with the AOT interpreter and the chip's environment (jax reads it at start-up)."""
+    import os
+    import subprocess
+
+    from jspec.aot import devices
+
+    chip = args.aot
+    shape = args.aot_shape or args.shape or "qwen3-8b"
+    if os.environ.get("JSPEC_AOT_CHILD") != "1" and needs_reexec(chip):
+        python = devices.aot_python()
+        env = {**os.environ, **devices.aot_env(chip), "JSPEC_AOT_CHILD": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (devices.package_root(), env.get("PYTHONPATH")) if p)
+        words = shlex.split(command_line(args))[1:]
+        print(f"re-running with {python} and {' '.join(f'{k}={v}' for k, v in devices.aot_env(chip).items())}",
+              file=sys.stderr)
+        return subprocess.run([python, "-m", "jspec.cli", *words], env=env).returncode
+    from jspec.aot import bench
+
+    selected = bench.cases(**(bench.QUICK if args.aot_quick else {}))
+    rows = bench.run(chip, shape, selected, json_path=args.json)
+    return 0 if rows else 1
+
+
+def needs_reexec(chip: str) -> bool:
+    """True when this process cannot compile for `chip`: the plugin is missing, or jax has started its
+    back ends with a different environment."""
+    import importlib.util
+
+    from jspec.aot import devices
+
+    if importlib.util.find_spec(devices.plugin_module(chip)) is None:
+        return True
+    if not devices.env_mismatch(chip):
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 SHAPE_AXES = ("block_sizes", "tree_budgets", "temperatures", "verify_widths")
@@ -122,6 +173,10 @@ def command_line(args) -> str:
 
 
 def main(args) -> int:
+    if getattr(args, "aot", None):
+        return aot_main(args)
+    if getattr(args, "aot_quick", False) or getattr(args, "aot_shape", None) or getattr(args, "json", None):
+        raise SystemExit("--aot-quick, --aot-shape and --json go with --aot CHIP")
     from jspec.bench.run import run_bench
 
     cfg = config_from_args(args)

@@ -1,0 +1,234 @@
+"""`jspec bench --aot CHIP --shape qwen3-8b`: HBM bytes per decode round of the real compiled loops.
+
+For every combination of batch, context, verifier and chain / tree, the speculative loop
+(`jspec.decode.spec.generate_spec`, a DFlash drafter of the target's shape, prepared by
+`jspec.api.prepare_drafter`) and the plain AR loop (`jspec.decode.ar.generate_ar`) are compiled for a
+compile-only chip (jspec.aot.devices) with abstract inputs (`jax.eval_shape` of random init: nothing
+is allocated), and the optimized HLO of the decode loop's while body is walked (jspec.aot.hlo_bytes).
+
+Ideal bytes per round = one read of every weight (target, and drafter for speculative loops) + the
+valid K/V (context rows x layers x 2 x kv_heads x head_dim x itemsize x batch, target and drafter
+context caches) + the K/V rows the round writes (verify width rows of the target, as many drafter
+context rows). roofline fraction = ideal / actual. The compiled cache covers `context` committed
+rows, so the ideal is the round at a full cache, the most expensive one.
+
+Targets (the `pass` column): fraction >= 0.85 at batch 1 / 4k and >= 0.75 at 32k or batch 8;
+device memory besides weights and K/V caches (temp + outputs - caches) <= 10% of the caches; and at
+batch 8 / 32k the whole program (arguments + outputs + temp - aliased) fits the chip's HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+
+from jspec.aot import devices
+
+BATCHES = (1, 8)
+CONTEXTS = (4096, 32768)
+VERIFIERS = ("greedy", "top-p")
+TREE_BUDGET = 32
+BLOCK = 16
+PROMPT_LEN = 64  # prefill width of the compiled program; the loop's cost does not depend on it
+QUICK = {"batches": (1,), "contexts": (4096,), "verifiers": ("greedy",)}
+
+
+def shapes() -> dict:
+    """Target shapes by name: the bench's published shapes plus `tiny`, a 2-layer model for tests."""
+    from jspec.bench.roofline import SHAPES
+    from jspec.models.config import ModelConfig
+
+    tiny = ModelConfig(family="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=False, qk_norm=True, eos_token_ids=(1,), max_position_embeddings=40960)
+    return {**SHAPES, "tiny": tiny}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    loop: str  # "spec" | "ar"
+    batch: int
+    context: int
+    verifier: str  # "greedy" | "top-p"
+    tree: int  # 0 = chain, else the DDTree budget
+
+    @property
+    def label(self) -> str:
+        kind = "ar" if self.loop == "ar" else ("tree" if self.tree else "chain")
+        return f"{kind} B{self.batch} {self.context // 1024}k {self.verifier}"
+
+    @property
+    def target_ratio(self) -> float:
+        return 0.85 if self.batch == 1 and self.context <= 4096 else 0.75
+
+
+def cases(batches=BATCHES, contexts=CONTEXTS, verifiers=VERIFIERS, tree_budget=TREE_BUDGET) -> list[Case]:
+    out = []
+    for b, c, v in itertools.product(batches, contexts, verifiers):
+        out += [Case("spec", b, c, v, 0), Case("spec", b, c, v, tree_budget), Case("ar", b, c, v, 0)]
+    return out
+
+
+def _sampling(verifier: str):
+    from jspec.verify.sampling import SamplingParams
+
+    if verifier == "greedy":
+        return SamplingParams(temperature=0.0), "greedy"
+    if verifier == "top-p":
+        return SamplingParams(temperature=1.0, top_p=0.9), "speculative"
+    raise ValueError(f"unknown AOT verifier {verifier!r}: choose greedy or top-p")
+
+
+def dflash_config(cfg, block: int = BLOCK, layers: int = 5):
+    """A DFlash drafter shaped like z-lab's for this target: 5 draft layers with the target's width,
+    taps at the default 5 target layers, the anchor counted in the block."""
+    from jspec.drafters.dflash import DFlashConfig, default_target_layer_ids
+
+    n_taps = min(5, max(cfg.num_layers - 1, 1))
+    ids = default_target_layer_ids(n_taps, cfg.num_layers) if cfg.num_layers >= 5 else tuple(range(n_taps))
+    return DFlashConfig(layers=dataclasses.replace(cfg, num_layers=layers, layer_types=()), target_layer_ids=ids,
+                        num_target_layers=cfg.num_layers, mask_token_id=cfg.vocab_size - 1, block_size=block)
+
+
+def _nbytes(tree) -> int:
+    import jax
+
+    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def kv_row_bytes(cfg, itemsize: int) -> int:
+    """K and V bytes of one cache row (one position), all layers, one batch row."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
+    """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.api import Target, prepare_drafter
+    from jspec.decode import ar, spec
+    from jspec.drafters import dflash
+    from jspec.models.transformer import init_params
+
+    cfg = shapes()[shape]
+    dev = devices.aot_device(chip)
+    dtype = jnp.bfloat16
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
+    sampling, verifier = _sampling(case.verifier)
+    b = case.batch
+    cache_size = case.context
+    dcfg = ar.DecodeConfig(max_new_tokens=cache_size - PROMPT_LEN, cache_size=cache_size, sampling=sampling,
+                           eos_ids=tuple(cfg.eos_token_ids))
+    inputs = (jax.ShapeDtypeStruct((b, PROMPT_LEN), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+              jax.ShapeDtypeStruct((b,), jnp.uint32))
+    row = kv_row_bytes(cfg, 2)
+    smallest = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params) if x.ndim >= 2)
+    info = {"weights_target": _nbytes(params), "weights_drafter": 0, "kv_row_bytes": row,
+            "weight_min_bytes": min(1 << 20, smallest // 2)}
+    with jax.default_device(dev):
+        args = devices.abstract(inputs, dev)
+        p_abs = devices.abstract(params, dev)
+        if case.loop == "ar":
+            lowered = ar.generate_ar.lower(p_abs, cfg, dcfg, *args)
+            width, d_rows, d_row = 1, 0, 0
+            cache_bytes = b * cache_size * row
+        else:
+            dc = dflash_config(cfg)
+            dparams = jax.eval_shape(lambda: dflash.init_params(dc, jax.random.key(1), dtype=dtype))
+            target = Target(cfg, params, None, f"random:{shape}")
+            dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, target_cfg=cfg, kernels=kernels,
+                                                                 tree_budget=case.tree), dparams),
+                                          sampling, verifier, BLOCK, case.tree, cache_size)
+            scfg = spec.SpecConfig(dcfg, verifier, attention=kernels)
+            lowered = spec.generate_spec.lower(p_abs, devices.abstract(dparams, dev), cfg, dr, scfg, *args)
+            width = dr.num_drafts + 1
+            d_row = kv_row_bytes(dc.layers, 2)
+            d_rows = dr.max_depth + 1  # the drafter commits at most the accepted path and the anchor
+            info["weights_drafter"] = _nbytes(dparams)
+            cache_bytes = b * (cache_size + width) * (row + d_row)
+        start = time.perf_counter()
+        compiled = lowered.compile()
+    info.update(compile_s=time.perf_counter() - start, width=width, cache_bytes=cache_bytes,
+                kv_ideal=b * case.context * (row + d_row), writes_ideal=b * (width * row + d_rows * d_row))
+    return compiled, info
+
+
+def measure(chip: str, shape: str, case: Case, kernels: str = "reference") -> dict:
+    """One table row: bytes per round by class, ideal bytes, fraction, kernels, memory, pass/fail."""
+    from jspec.aot import hlo_bytes
+
+    compiled, info = compile_case(chip, shape, case, kernels)
+    # Weight buffers are told apart from activations by size: anything as large as the smallest
+    # weight matrix (halved for layout padding slack), capped at 1 MiB.
+    loop = hlo_bytes.decode_loop_bytes(compiled.as_text(), weight_min_bytes=info["weight_min_bytes"])
+    mem = hlo_bytes.memory_stats(compiled)
+    ideal = info["weights_target"] + info["weights_drafter"] + info["kv_ideal"] + info["writes_ideal"]
+    ratio = ideal / loop.total if loop.total else 0.0
+    overhead = mem["temp"] + mem["output"] - info["cache_bytes"]
+    peak = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
+    hbm = devices.HBM_BYTES[chip]
+    checks = {"ratio": ratio >= case.target_ratio, "temp": overhead <= 0.10 * info["cache_bytes"]}
+    if case.batch == max(BATCHES) and case.context == max(CONTEXTS):
+        checks["fits"] = peak <= hbm
+    return {
+        "chip": chip, "shape": shape, "case": case.label, **dataclasses.asdict(case),
+        "bytes": loop.as_dict(), "ideal": ideal, "ideal_weights": info["weights_target"] + info["weights_drafter"],
+        "ideal_kv": info["kv_ideal"], "ideal_writes": info["writes_ideal"], "ratio": ratio,
+        "target_ratio": case.target_ratio, "kernels": loop.kernels, "memory": mem,
+        "cache_bytes": info["cache_bytes"], "overhead_bytes": overhead, "peak_bytes": peak, "hbm_bytes": hbm,
+        "round_bound_s": loop.total / devices.HBM_BANDWIDTH[chip], "checks": checks, "pass": all(checks.values()),
+        "compile_s": info["compile_s"],
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    """The text table: one line per row, bytes in GB (1e9) per round."""
+    head = ("case", "weights", "kv_read", "writes", "other", "actual", "ideal", "ratio", "kernels", "temp", "output",
+            "cache", "peak", "pass")
+    lines = [head]
+    for r in rows:
+        by = r["bytes"]
+        failed = [k for k, ok in r["checks"].items() if not ok]
+        lines.append((r["case"], _gb(by["weights"]), _gb(by["kv_reads"]), _gb(by["cache_writes"]), _gb(by["other"]),
+                      _gb(by["total"]), _gb(r["ideal"]), f"{r['ratio']:.3f}", f"{r['kernels']:.0f}",
+                      _gb(r["memory"]["temp"]), _gb(r["memory"]["output"]), _gb(r["cache_bytes"]),
+                      _gb(r["peak_bytes"]), "pass" if r["pass"] else "FAIL " + ",".join(failed)))
+    widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
+    out = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(l, widths)))
+           for l in lines]
+    return "\n".join(out)
+
+
+def run(chip: str, shape: str, selected: list[Case], json_path: str | None = None, kernels: str = "reference",
+        out=sys.stdout) -> list[dict]:
+    """Measure every case, print the table (and each row as it completes, to stderr), write JSON."""
+    devices.check_chip(chip)
+    if shape not in shapes():
+        raise ValueError(f"unknown shape {shape!r} for --aot: choose one of {', '.join(shapes())}")
+    rows = []
+    for case in selected:
+        row = measure(chip, shape, case, kernels)
+        rows.append(row)
+        print(f"[{chip}] {case.label}: {_gb(row['bytes']['total'])} GB/round, ratio {row['ratio']:.3f}, "
+              f"compiled in {row['compile_s']:.0f} s", file=sys.stderr, flush=True)
+    unknown = sorted({t for r in rows for t in r["bytes"]["unknown_trips"]})
+    print(f"\n{chip} ({devices.aot_device(chip).device_kind}), shape {shape}, bf16; bytes per decode round in GB; "
+          f"kernels = launches per round; temp/output/cache/peak = device memory (GB)", file=out)
+    print(table(rows), file=out)
+    if unknown:
+        print(f"note: {len(unknown)} inner loops with a data-dependent trip count were counted once "
+              f"(listed under bytes.unknown_trips in the JSON)", file=out)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"chip": chip, "shape": shape, "rows": rows}, f, indent=1)
+        print(f"wrote {json_path}", file=sys.stderr)
+    return rows
