@@ -9,8 +9,10 @@ The mesh has three named axes (sizes may be 1):
     fsdp   training: parameters split along their embedding dimension, batch rows split too (FSDP)
     model  tensor parallel: attention heads, MLP hidden units, the KV cache's head axis
 
-`ShardingRules` is the one table from logical axes to mesh axes; `PARAM_AXES` names the logical axes
-of every parameter of the targets and drafters (by leaf name), and `CACHE_AXES` those of the caches:
+`ShardingRules` is the one table from logical axes to mesh axes. The logical axes of a parameter come
+from its declaration in its model's module (`jspec.models.declare`: dense targets, DFlash / DSpark
+backbones, small-LM drafters); `PARAM_AXES` names them by leaf name for the parameters not declared
+through modules yet (hybrid targets, DSpark's heads), and `CACHE_AXES` names those of the caches:
 
     logical axis   mesh axis         used by
     batch          (data, fsdp)      token buffers, per-row state, cache batch axis, training batches
@@ -73,16 +75,14 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-# Logical axes of every parameter by leaf name: targets (a leaf of one layer, as in the
-# jspec.models.transformer layout, drops the leading layer axis; the hybrid model's stacked attention /
-# MLP leaves keep it and share these names), DFlash / DSpark drafters and the small-LM drafter. Leaves not listed (recurrent GDN and MoE weights, DSpark's small heads) are replicated.
+# Logical axes by leaf name for parameters without a module declaration: the hybrid model's stacked
+# attention / MLP leaves (layer axis first) and DSpark's embedding copy, LM head and Markov head.
+# Leaves not listed (recurrent GDN and MoE weights, DSpark's small heads) are replicated.
 _LAYER = "layers"
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
     "final_norm": ("embed",),
-    "norm": ("embed",),
-    "hidden_norm": ("embed",),
     "attn_norm": (_LAYER, "embed"),
     "mlp_norm": (_LAYER, "embed"),
     "wq": (_LAYER, "embed", "heads"),
@@ -100,7 +100,6 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "b_gate": (_LAYER, "mlp"),
     "b_up": (_LAYER, "mlp"),
     "b_down": (_LAYER, "embed"),
-    "fc": ("taps", "embed"),  # DFlash: concat(taps) [n * H] -> H
     "w1": ("vocab", "rank"),  # DSpark Markov head
     "w2": ("rank", "vocab"),
 }
@@ -164,13 +163,26 @@ def spec_for(shape: Sequence[int], logical: Sequence[str | None], mesh: Mesh, ru
     return P(*spec)
 
 
-def param_shardings(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: int | None = None):
-    """NamedSharding for every leaf of a target / drafter parameter pytree (see PARAM_AXES)."""
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def param_shardings(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: int | None = None, axes=None):
+    """NamedSharding for every leaf of a target / drafter parameter pytree.
+
+    axes: the logical axes of the parameters, a tree like `params` with tuples at its leaves, taken
+    from the models' declarations (`jspec.models.declare.logical_axes`); leaves it does not cover (or
+    axes=None) fall back to PARAM_AXES by leaf name."""
+    declared = {}
+    if axes is not None:
+        flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]
+        declared = {_path_key(path): tuple(ax) for path, ax in flat}
+
     def one(path, leaf):
-        name = str(getattr(path[-1], "key", path[-1])) if path else ""
-        logical = PARAM_AXES.get(name, ())
-        if logical[:1] == (_LAYER,) and np.ndim(leaf) == len(logical) - 1:  # one layer's own array
-            logical = logical[1:]
+        logical = declared.get(_path_key(path))
+        if logical is None:
+            name = str(getattr(path[-1], "key", path[-1])) if path else ""
+            logical = PARAM_AXES.get(name, ())
         return NamedSharding(mesh, spec_for(np.shape(leaf), logical, mesh, rules, head_dim))
 
     return jax.tree_util.tree_map_with_path(one, params)
@@ -190,9 +202,10 @@ def place(tree, shardings):
     return jax.tree_util.tree_map(one, tree, shardings)
 
 
-def shard_params(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: int | None = None):
-    """Parameters placed by the rules (tensor parallel over `model`, FSDP over `fsdp`)."""
-    return place(params, param_shardings(params, mesh, rules, head_dim))
+def shard_params(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: int | None = None, axes=None):
+    """Parameters placed by the rules (tensor parallel over `model`, FSDP over `fsdp`); axes: as in
+    `param_shardings`."""
+    return place(params, param_shardings(params, mesh, rules, head_dim, axes))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = RULES) -> NamedSharding:
@@ -247,9 +260,19 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE_MESH.get()
 
 
+def target_axes(cfg):
+    """Logical axes of a target's parameters from its module declarations (None: not declared)."""
+    from jspec.models import transformer
+    from jspec.models.config import ModelConfig
+    from jspec.models.declare import logical_axes
+
+    return logical_axes(transformer.declarations(cfg)) if isinstance(cfg, ModelConfig) else None
+
+
 def place_target(target, mesh: Mesh, rules: ShardingRules = RULES):
     """The target with its parameters on the mesh (a no-op for parameters already placed)."""
-    return dataclasses.replace(target, params=shard_params(target.params, mesh, rules, target.cfg.head_dim))
+    return dataclasses.replace(target, params=shard_params(target.params, mesh, rules, target.cfg.head_dim,
+                                                           target_axes(target.cfg)))
 
 
 def _drafter_head_dim(drafter) -> int | None:
@@ -260,7 +283,7 @@ def _drafter_head_dim(drafter) -> int | None:
 
 def place_drafter(drafter, dparams, mesh: Mesh, rules: ShardingRules = RULES):
     """A drafter's parameters on the mesh (DFlash / DSpark layer stacks shard like the target's)."""
-    return shard_params(dparams, mesh, rules, _drafter_head_dim(drafter))
+    return shard_params(dparams, mesh, rules, _drafter_head_dim(drafter), drafter.param_axes())
 
 
 def cache_sharding(mesh: Mesh, shape: Sequence[int], rules: ShardingRules = RULES) -> NamedSharding:
@@ -430,7 +453,7 @@ def train_target(config_path: str, out_dir: str, mesh: Mesh, *, steps: int | Non
     windows = lm.tokenized_windows(tok, ds_dir, "train", cfg["data"]["seq_len"])
     tc = TrainConfig(**cfg["train"])
     params = shard_params(transformer.init_params(mcfg, jax.random.key(tc.seed), std=cfg.get("init_std", 0.02)),
-                          mesh, rules, mcfg.head_dim)
+                          mesh, rules, mcfg.head_dim, target_axes(mcfg))
     fingerprint = {"kind": "target", "config": cfg}
     prepare_run_dir(out_dir, fingerprint)
     trainer = Trainer(lambda p, b: lm.lm_loss(p, mcfg, b), params, tc, out_dir, fingerprint=fingerprint,

@@ -96,8 +96,10 @@ def test_rules_table_on_an_abstract_mesh():
     cfg = _cfg()
     params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
     mesh = AbstractMesh((2, 2, 4), parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    specs = jax.tree_util.tree_map(lambda s: s.spec, parallel.param_shardings(params, mesh, head_dim=cfg.head_dim))
-    layers = specs["layers"][1]  # one layer's own arrays: the layer axis of PARAM_AXES is dropped
+    axes = parallel.target_axes(cfg)  # from the modules' parameter declarations
+    specs = jax.tree_util.tree_map(lambda s: s.spec, parallel.param_shardings(params, mesh, head_dim=cfg.head_dim,
+                                                                              axes=axes))
+    layers = specs["layers"][1]
     assert layers["wq"] == P("fsdp", "model")  # 4 query heads over model = 4
     assert layers["wk"] == P("fsdp", None)  # 2 KV heads do not split 4 ways: replicated
     assert layers["wo"] == P("model", "fsdp")
@@ -105,7 +107,7 @@ def test_rules_table_on_an_abstract_mesh():
     assert layers["q_norm"] == P(None)
     assert specs["embed"] == P(None, "fsdp")  # vocab replicated by default
     vocab_sharded = parallel.ShardingRules(vocab="model")
-    assert parallel.param_shardings(params, mesh, vocab_sharded)["embed"].spec == P("model", "fsdp")
+    assert parallel.param_shardings(params, mesh, vocab_sharded, axes=axes)["embed"].spec == P("model", "fsdp")
     # A layer's KV cache [B, Hkv, S, Dh] (or a stacked [L, ...] one): batch over (data, fsdp), heads
     # over model when they divide.
     assert parallel.cache_sharding(mesh, (8, 2, 32, 16)).spec == P(("data", "fsdp"), None, None, None)
@@ -219,7 +221,7 @@ def _eight_devices(out_dir: str) -> None:
     single = _trainer(os.path.join(out_dir, "single"), init())
     single.run(data.batches(_windows(), 8, seed=1), progress=False)
     mesh3 = parallel.make_mesh(data=2, fsdp=2, model=2)
-    params = parallel.shard_params(init(), mesh3, head_dim=16)
+    params = parallel.shard_params(init(), mesh3, head_dim=16, axes=parallel.target_axes(target.cfg))
     multi = _trainer(os.path.join(out_dir, "multi"), params, sharding=parallel.global_batch(mesh3))
     multi.run(parallel.HostLocalBatches(_examples(), 8, mesh3), progress=False)
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(

@@ -117,7 +117,8 @@ def test_sharded_step_equals_single_device(tmp_path):
         import jax, numpy as np
         from jspec.models import transformer
         from jspec.models.config import ModelConfig
-        from jspec.train import data, lm, sharding
+        from jspec import parallel
+        from jspec.train import data, lm
         from jspec.train.trainer import TrainConfig, Trainer
         cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True)
@@ -127,12 +128,14 @@ def test_sharded_step_equals_single_device(tmp_path):
         loss = lambda p, b: lm.lm_loss(p, cfg, b)
         single = Trainer(loss, transformer.init_params(cfg, jax.random.key(0)), tc, "{tmp_path}/single", {{"m": 1}})
         single.run(ds, progress=False)
-        mesh = sharding.make_mesh(2, 4)
-        params = sharding.shard_params(transformer.init_params(cfg, jax.random.key(0)), mesh)
-        assert sharding.is_sharded(params)
-        multi = Trainer(loss, params, tc, "{tmp_path}/multi", {{"m": 8}}, sharding=sharding.batch_sharder(mesh))
+        mesh = parallel.make_mesh(data=2, fsdp=4)
+        params = parallel.shard_params(transformer.init_params(cfg, jax.random.key(0)), mesh,
+                                       axes=parallel.target_axes(cfg))
+        split = lambda p: any(not x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(p))
+        assert split(params)
+        multi = Trainer(loss, params, tc, "{tmp_path}/multi", {{"m": 8}}, sharding=parallel.global_batch(mesh))
         multi.run(ds, progress=False)
-        assert sharding.is_sharded(multi.state.params)
+        assert split(multi.state.params)
         diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
                    zip(jax.tree_util.tree_leaves(single.state.params), jax.tree_util.tree_leaves(multi.state.params)))
         print("maxdiff", diff)

@@ -107,6 +107,11 @@ class Drafter(abc.ABC):
     def validate(self, target_cfg: ModelConfig, dparams: Any) -> None:
         """Host-side checks against the target (vocabulary, taps); raise ValueError naming the fix."""
 
+    def param_axes(self) -> Any:
+        """Logical axes of the drafter's parameters from its module declarations (a tree like the
+        parameters, tuples at the leaves; None when it declares none). Sharding reads them."""
+        return None
+
     def init(self, dparams: Any, prefill: PrefillInfo, cache_size: int) -> Any:
         return ()
 

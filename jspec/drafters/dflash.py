@@ -25,7 +25,10 @@ With `tree_budget > 0` the per-slot distributions feed a DDTree best-first tree 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +38,7 @@ from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
 from jspec.models import transformer
 from jspec.models.config import ModelConfig, default_rope_inv_freq
+from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 
 
 def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
@@ -69,23 +73,42 @@ class DFlashConfig:
         return self.layers.hidden_size
 
 
+class DFlashNet(nn.Module):
+    """The DFlash network's parameters, declared once (`jspec.models.declare`): fc [n*H, H],
+    hidden_norm [H], norm [H] and the Qwen3 layer stack `layers` (no embedding / head: the target's are
+    shared). z-lab tensor names: `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.*`.
+    The computation is the pure functions below (`context_kv`, `draft_blocks`) over these parameters."""
+
+    cfg: DFlashConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        h, n = self.cfg.hidden_size, len(self.cfg.target_layer_ids)
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        self.fc = decl("fc", (n * h, h), ("taps", "embed"), "normal", "fc.weight", transpose=True)
+        self.hidden_norm = decl("hidden_norm", (h,), ("embed",), "ones", "hidden_norm.weight")
+        self.norm = decl("norm", (h,), ("embed",), "ones", "norm.weight")
+        self.layers = transformer.LayerStack(self.cfg.layers, "layers.", self.init_std, self.param_dtype, name="layers")
+
+    def declare(self):
+        return self.fc, self.hidden_norm, self.norm, self.layers.declare()
+
+
+@functools.lru_cache(maxsize=64)  # tracing the declarations is cheap but not free
+def declarations(cfg: DFlashConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's declaration (boxes of ShapeDtypeStructs), `layers` as a list."""
+    return transformer.from_linen(abstract_tree(DFlashNet(cfg, param_dtype=dtype), DFlashNet.declare)["params"])
+
+
 def param_shapes(cfg: DFlashConfig) -> dict:
     """fc [n*H, H], hidden_norm [H], norm [H], layers: per-layer transformer dicts (no embedding / head)."""
-    layer_shapes = transformer.param_shapes(cfg.layers)["layers"]
-    h = cfg.hidden_size
-    return {"fc": (len(cfg.target_layer_ids) * h, h), "hidden_norm": (h,), "norm": (h,), "layers": layer_shapes}
+    return shapes(declarations(cfg))
 
 
 def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    k1, k2 = jax.random.split(key)
-    stack = transformer.init_params(dataclasses.replace(cfg.layers, tie_word_embeddings=True), k1, dtype, std)
-    h = cfg.hidden_size
-    return {
-        "fc": (std * jax.random.normal(k2, (len(cfg.target_layer_ids) * h, h))).astype(dtype),
-        "hidden_norm": jnp.ones((h,), dtype),
-        "norm": jnp.ones((h,), dtype),
-        "layers": stack["layers"],
-    }
+    tree = init_tree(DFlashNet(cfg, init_std=std, param_dtype=dtype), DFlashNet.declare, key)
+    return transformer.from_linen(unbox(tree)["params"])
 
 
 def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
@@ -211,6 +234,9 @@ class DFlash(Drafter):
 
     def validate(self, target_cfg: ModelConfig, dparams) -> None:
         validate_against_target(self.cfg, target_cfg)
+
+    def param_axes(self):
+        return logical_axes(declarations(self.cfg))
 
     def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> DFlashState:
         b, p = prefill.prompts.shape

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jspec.drafters.base import SAMPLE, DraftContext, Drafter, PrefillInfo, Proposal, register
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
+from jspec.models.declare import logical_axes
 
 
 @register("lm")
@@ -36,6 +37,9 @@ class SmallLM(Drafter):
                 f"drafter vocabulary ({self.cfg.vocab_size}) differs from the target's ({target_cfg.vocab_size}): "
                 "a drafter must share the target's tokenizer"
             )
+
+    def param_axes(self):
+        return logical_axes(transformer.declarations(self.cfg))
 
     def init(self, dparams, prefill: PrefillInfo, cache_size: int):
         b, p = prefill.prompts.shape

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from safetensors.numpy import save_file
 
 from jspec.drafters.dflash import DFlashConfig
+from jspec.drafters.dflash import declarations as dflash_declarations
 from jspec.drafters.dflash import param_shapes as dflash_shapes
 from jspec.drafters.dspark import DSparkConfig
 from jspec.drafters.dspark import param_shapes as dspark_shapes
@@ -30,8 +31,8 @@ from jspec.io.hf import (
     CheckpointError,
     assemble,
     check_tensors,
+    declared_tensors,
     export_tensors,
-    layer_tensor_names,
     read_safetensors,
 )
 from jspec.models.config import ModelConfig
@@ -73,15 +74,7 @@ def _stack_config(hf: dict) -> ModelConfig:
 
 
 def _backbone_tensors(cfg: DFlashConfig) -> dict:
-    shapes = dflash_shapes(cfg)
-    h = cfg.hidden_size
-    out = {
-        "fc.weight": ((h, shapes["fc"][0]), "fc", None, True),
-        "hidden_norm.weight": ((h,), "hidden_norm", None, False),
-        "norm.weight": ((h,), "norm", None, False),
-    }
-    out.update(layer_tensor_names(shapes["layers"], "layers.", ("layers",)))
-    return out
+    return declared_tensors(dflash_declarations(cfg))
 
 
 def _dspark_tensors(cfg: DSparkConfig) -> dict:

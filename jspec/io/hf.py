@@ -18,51 +18,22 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jspec.models.config import ModelConfig, load_config
-from jspec.models.transformer import param_shapes
+from jspec.models.declare import hf_names
+from jspec.models.transformer import declarations, param_shapes
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the configuration it is loaded with."""
 
 
-# jspec per-layer name -> (HF name under model.layers.{i}., transpose)
-_LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "b_gate": ("mlp.gate_proj.bias", False),
-    "b_up": ("mlp.up_proj.bias", False),
-    "b_down": ("mlp.down_proj.bias", False),
-}
-_TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
-}
-
-
 def expected_tensors(cfg: ModelConfig) -> dict:
-    """HF name -> (HF shape, jspec key path, None, transpose)."""
-    shapes = param_shapes(cfg)
-    out = {}
-    for key, shape in shapes.items():
-        if key == "layers":
-            continue
-        name, tr = _TOP_TENSORS[key]
-        out[name] = (tuple(reversed(shape)) if tr else shape, key, None, tr)
-    out.update(layer_tensor_names(shapes["layers"], "model.layers.", ("layers",)))
-    return out
+    """HF name -> (HF shape, jspec key path, None, transpose), from the model's declarations."""
+    return declared_tensors(declarations(cfg))
+
+
+def declared_tensors(declared) -> dict:
+    """HF name -> (HF shape, jspec key path, None, transpose) of a tree of declarations."""
+    return {name: (shape, path, None, tr) for name, (shape, path, tr) in hf_names(declared).items()}
 
 
 def _safetensor_files(model_dir: str) -> list[str]:
@@ -119,16 +90,6 @@ def check_tensors(found: dict, expected: dict[str, tuple[int, ...]], where: str,
 
 def np_dtype(dtype):
     return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
-
-
-def layer_tensor_names(layers: list, prefix: str, path: tuple) -> dict:
-    """HF name -> (HF shape, jspec key path, None, transpose) for a list of per-layer shape dicts at `path`."""
-    out = {}
-    for i, shapes in enumerate(layers):
-        for key, shape in shapes.items():
-            name, tr = _LAYER_TENSORS[key]
-            out[f"{prefix}{i}.{name}"] = (tuple(reversed(shape)) if tr else shape, path + (i, key), None, tr)
-    return out
 
 
 def assemble(found: dict, expected: dict, shapes: dict, dtype) -> dict:

@@ -1,4 +1,9 @@
-"""Llama / Qwen3 decoder as pure functions over a parameter pytree, with a static KV cache.
+"""Llama / Qwen3 decoder: a `flax.linen` module applied to a plain parameter pytree, with a static KV cache.
+
+Every parameter is declared once in the modules below (`jspec.models.declare`: shape, dtype,
+initializer, logical axes, HF name); `init_params`, `param_shapes`, the HF loader and the shardings
+all read those declarations. `forward` applies the module to the pytree: inside jit the module is
+only traced, so the compiled loop carries plain arrays and pays nothing per call for the framework.
 
 Parameters (a plain nested dict; `layers` is a list with one dict per layer, so that no pass slices a
 weight out of a stacked array; matrices stored [in, out]):
@@ -19,14 +24,17 @@ over the committed rows (< ctx_len) plus the new rows allowed by the mask.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.models.attention import KV_CHUNK, attend, write_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
+from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
 
 
 @jax.tree_util.register_dataclass
@@ -154,18 +162,8 @@ def forward(
         cache_rows = positions
     if ctx_len is None:
         ctx_len = positions[:, 0]
-    inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
-    h = params["embed"][tokens]
-    ks, vs, outputs = [], [], []
-    for lp, k, v, window in zip(params["layers"], cache.k, cache.v, cfg.windows, strict=True):
-        h, k, v = _layer(cfg, inv_freq, h, lp, k, v, window, positions, cache_rows, ctx_len, tree_mask, attention,
-                         kv_chunk)
-        ks.append(k)
-        vs.append(v)
-        outputs.append(h)
-    tapped = jnp.stack([outputs[i] for i in taps]) if taps else None
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return ForwardOut(h, KVCache(tuple(ks), tuple(vs)), tapped)
+    return Transformer(cfg).apply({"params": to_linen(params)}, tokens, positions, cache, ctx_len, cache_rows,
+                                  tree_mask, tuple(taps), attention, kv_chunk)
 
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -174,48 +172,139 @@ def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
+class DecoderLayer(nn.Module):
+    """One decoder layer's parameters (declared once, `jspec.models.declare`) and its computation."""
+
+    cfg: ModelConfig
+    hf_prefix: str  # e.g. "model.layers.3."
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c, pre = self.cfg, self.hf_prefix
+        d, f = c.hidden_size, c.intermediate_size
+        q, kv, dh = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        p = {
+            "attn_norm": decl("attn_norm", (d,), ("embed",), "ones", pre + "input_layernorm.weight"),
+            "wq": decl("wq", (d, q), ("embed", "heads"), "normal", pre + "self_attn.q_proj.weight", transpose=True),
+            "wk": decl("wk", (d, kv), ("embed", "kv_heads"), "normal", pre + "self_attn.k_proj.weight", transpose=True),
+            "wv": decl("wv", (d, kv), ("embed", "kv_heads"), "normal", pre + "self_attn.v_proj.weight", transpose=True),
+            "wo": decl("wo", (q, d), ("heads", "embed"), "normal", pre + "self_attn.o_proj.weight", transpose=True),
+            "mlp_norm": decl("mlp_norm", (d,), ("embed",), "ones", pre + "post_attention_layernorm.weight"),
+            "w_gate": decl("w_gate", (d, f), ("embed", "mlp"), "normal", pre + "mlp.gate_proj.weight", transpose=True),
+            "w_up": decl("w_up", (d, f), ("embed", "mlp"), "normal", pre + "mlp.up_proj.weight", transpose=True),
+            "w_down": decl("w_down", (f, d), ("mlp", "embed"), "normal", pre + "mlp.down_proj.weight", transpose=True),
+        }
+        if c.attention_bias:
+            p["bq"] = decl("bq", (q,), ("heads",), "zeros", pre + "self_attn.q_proj.bias")
+            p["bk"] = decl("bk", (kv,), ("kv_heads",), "zeros", pre + "self_attn.k_proj.bias")
+            p["bv"] = decl("bv", (kv,), ("kv_heads",), "zeros", pre + "self_attn.v_proj.bias")
+        if c.mlp_bias:
+            p["b_gate"] = decl("b_gate", (f,), ("mlp",), "zeros", pre + "mlp.gate_proj.bias")
+            p["b_up"] = decl("b_up", (f,), ("mlp",), "zeros", pre + "mlp.up_proj.bias")
+            p["b_down"] = decl("b_down", (d,), ("embed",), "zeros", pre + "mlp.down_proj.bias")
+        if c.qk_norm:
+            p["q_norm"] = decl("q_norm", (dh,), ("head_dim",), "ones", pre + "self_attn.q_norm.weight")
+            p["k_norm"] = decl("k_norm", (dh,), ("head_dim",), "ones", pre + "self_attn.k_norm.weight")
+        self.p = p
+
+    def declare(self):
+        return self.p
+
+    def __call__(self, h, k_cache, v_cache, window: int, positions, cache_rows, ctx_len, tree_mask, attention: str,
+                 kv_chunk: int | None, inv_freq):
+        return _layer(self.cfg, inv_freq, h, self.p, k_cache, v_cache, window, positions, cache_rows, ctx_len,
+                      tree_mask, attention, kv_chunk)
+
+
+class LayerStack(nn.Module):
+    """Decoder layers "0" .. "L-1" under one name (HF: `{hf_prefix}{i}.`)."""
+
+    cfg: ModelConfig
+    hf_prefix: str
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.layers = [DecoderLayer(self.cfg, f"{self.hf_prefix}{i}.", self.init_std, self.param_dtype, name=str(i))
+                       for i in range(self.cfg.num_layers)]
+
+    def declare(self):
+        return [layer.declare() for layer in self.layers]
+
+
+class Transformer(nn.Module):
+    """The Llama / Qwen3 decoder: embedding, layers, final norm, LM head (absent when tied)."""
+
+    cfg: ModelConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        d, v = c.hidden_size, c.vocab_size
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        self.embed = decl("embed", (v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")
+        self.final_norm = decl("final_norm", (d,), ("embed",), "ones", "model.norm.weight")
+        if not c.tie_word_embeddings:
+            self.lm_head = decl("lm_head", (d, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+        self.layers = LayerStack(c, "model.layers.", self.init_std, self.param_dtype, name="layers")
+
+    def declare(self):
+        return self.embed, self.final_norm, self.layers.declare()
+
+    def __call__(self, tokens, positions, cache: KVCache, ctx_len, cache_rows, tree_mask, taps: tuple[int, ...],
+                 attention: str, kv_chunk: int | None) -> ForwardOut:
+        cfg = self.cfg
+        inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
+        h = self.embed[tokens]
+        ks, vs, outputs = [], [], []
+        for layer, k, v, window in zip(self.layers.layers, cache.k, cache.v, cfg.windows, strict=True):
+            h, k, v = layer(h, k, v, window, positions, cache_rows, ctx_len, tree_mask, attention, kv_chunk, inv_freq)
+            ks.append(k)
+            vs.append(v)
+            outputs.append(h)
+        tapped = jnp.stack([outputs[i] for i in taps]) if taps else None
+        h = rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+        return ForwardOut(h, KVCache(tuple(ks), tuple(vs)), tapped)
+
+
+def to_linen(params: dict) -> dict:
+    """jspec's layout (`layers`: a list) -> the module's tree (`layers`: {"0": ..., "1": ...})."""
+    if "layers" not in params:
+        return params
+    return dict(params, layers={str(i): lp for i, lp in enumerate(params["layers"])})
+
+
+def from_linen(tree: dict) -> dict:
+    """The module's tree -> jspec's layout (inverse of `to_linen`); works on boxed trees too."""
+    if "layers" not in tree:
+        return dict(tree)
+    layers = tree["layers"]
+    return dict(tree, layers=[layers[str(i)] for i in range(len(layers))])
+
+
+@functools.lru_cache(maxsize=64)  # tracing the declarations is cheap but not free
+def declarations(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's declaration (boxes of ShapeDtypeStructs), in jspec's layout."""
+    return from_linen(abstract_tree(Transformer(cfg, param_dtype=dtype), Transformer.declare)["params"])
+
+
 def layer_shapes(cfg: ModelConfig) -> dict:
     """Shape of every parameter of one decoder layer."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    shapes = {
-        "attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
-    }
-    if cfg.attention_bias:
-        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
-    if cfg.mlp_bias:
-        shapes.update(b_gate=(f,), b_up=(f,), b_down=(d,))
-    if cfg.qk_norm:
-        shapes.update(q_norm=(dh,), k_norm=(dh,))
-    return shapes
+    return param_shapes(cfg)["layers"][0]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """Shape of every parameter, in the pytree layout above (`layers`: a list of per-layer dicts)."""
-    d, v = cfg.hidden_size, cfg.vocab_size
-    shapes = {"embed": (v, d), "final_norm": (d,), "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)]}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    return shapes
+    return shapes(declarations(cfg))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    """Random parameters (normal(std) matrices, unit norms) for tests and from-scratch training."""
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        elif path.split("'")[-2].startswith("b"):
-            out.append(jnp.zeros(shape, dtype))
-        else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    """Random parameters (normal(std) matrices, unit norms, zero biases) for tests and training."""
+    tree = init_tree(Transformer(cfg, init_std=std, param_dtype=dtype), Transformer.declare, key)
+    return from_linen(unbox(tree)["params"])
 
 
 def count_params(params: dict) -> int:
