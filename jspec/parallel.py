@@ -11,8 +11,8 @@ The mesh has three named axes (sizes may be 1):
 
 `ShardingRules` is the one table from logical axes to mesh axes. The logical axes of a parameter come
 from its declaration in its model's module (`jspec.models.declare`: dense targets, DFlash / DSpark
-backbones, small-LM drafters); `PARAM_AXES` names them by leaf name for the parameters not declared
-through modules yet (hybrid targets, DSpark's heads), and `CACHE_AXES` names those of the caches:
+networks, small-LM drafters); `PARAM_AXES` names them by leaf name for the parameters not declared
+through modules yet (hybrid targets), and `CACHE_AXES` names those of the caches:
 
     logical axis   mesh axis         used by
     batch          (data, fsdp)      token buffers, per-row state, cache batch axis, training batches
@@ -75,9 +75,9 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-# Logical axes by leaf name for parameters without a module declaration: the hybrid model's stacked
-# attention / MLP leaves (layer axis first) and DSpark's embedding copy, LM head and Markov head.
-# Leaves not listed (recurrent GDN and MoE weights, DSpark's small heads) are replicated.
+# Logical axes by leaf name for the parameters without a module declaration: the hybrid targets'
+# (attention / MLP leaves stacked, layer axis first). Leaves not listed (recurrent GDN and MoE weights)
+# are replicated.
 _LAYER = "layers"
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
@@ -100,8 +100,6 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "b_gate": (_LAYER, "mlp"),
     "b_up": (_LAYER, "mlp"),
     "b_down": (_LAYER, "embed"),
-    "w1": ("vocab", "rank"),  # DSpark Markov head
-    "w2": ("rank", "vocab"),
 }
 # Caches: one [B, Hkv, S, Dh] buffer per layer (the dense targets' KVCache, a small-LM drafter's cache),
 # stacked [L, B, Hkv, S, Dh] (hybrid targets), [L, B, S, Hkv, Dh] (a DFlash context cache).

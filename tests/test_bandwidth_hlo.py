@@ -96,3 +96,33 @@ def test_one_block_attention_does_grow_with_cache_size():
         return fn.lower(params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32)).compile().cost_analysis()["flops"]
 
     assert flops(4096) > 1.5 * flops(1024)
+
+
+def test_the_flax_module_costs_nothing_in_the_compiled_pass():
+    """`forward` applies the linen module; the optimized program equals the one of the layer functions
+    called directly on the same parameter pytree (the module is only traced)."""
+    import re
+
+    from jspec.models.config import default_rope_inv_freq
+
+    params = transformer.init_params(CFG, jax.random.key(0))
+    cache = tm.init_cache(CFG, BATCH, 512)
+    pos = jnp.broadcast_to(CONTEXT + jnp.arange(WIDTH, dtype=jnp.int32), (BATCH, WIDTH))
+
+    def direct(p, c, t):
+        h = p["embed"][t]
+        inv_freq = jnp.asarray(default_rope_inv_freq(CFG))
+        for lp, k, v, window in zip(p["layers"], c.k, c.v, CFG.windows):
+            h, k, v = transformer._layer(CFG, inv_freq, h, lp, k, v, window, pos, pos, pos[:, 0], None, "reference",
+                                         attention.KV_CHUNK)
+        return transformer.rms_norm(h, p["final_norm"], CFG.rms_norm_eps)
+
+    def through_module(p, c, t):
+        return transformer.forward(p, CFG, t, pos, c).hidden
+
+    def program(fn):
+        text = jax.jit(fn).lower(params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32)).compile().as_text()
+        ops = re.findall(r"^\s*(?:ROOT )?%\S+ = (\S+) (\w[\w-]*)\(", text, flags=re.M)
+        return sorted(ops)
+
+    assert program(through_module) == program(direct)

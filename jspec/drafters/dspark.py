@@ -23,15 +23,18 @@ The embedding and LM head are the drafter's own frozen copies of the target's (D
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jspec.drafters import ddtree
 from jspec.drafters.base import SAMPLE, DraftContext, Proposal, register
-from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashState, draft_block
-from jspec.drafters.dflash import init_params as dflash_init_params
-from jspec.drafters.dflash import param_shapes as dflash_param_shapes
+from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState, draft_block
+from jspec.models import transformer
+from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -51,37 +54,87 @@ class DSparkConfig:
             raise ValueError(f"markov_head_type must be one of {MARKOV_TYPES}, got {self.markov_head_type!r}")
 
 
+class _MarkovHead(nn.Module):
+    cfg: DSparkConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        h, v, r = c.backbone.hidden_size, c.backbone.layers.vocab_size, c.markov_rank
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        pre = "markov_head."
+        p = {"w1": decl("w1", (v, r), ("vocab", "rank"), "normal", pre + "markov_w1.weight"),
+             "w2": decl("w2", (r, v), ("rank", "vocab"), "normal", pre + "markov_w2.weight", transpose=True)}
+        if c.markov_head_type == "gated":
+            p["gate_w"] = decl("gate_w", (h + r, r), (None, "rank"), "normal", pre + "gate_proj.weight",
+                               transpose=True)
+            p["gate_b"] = decl("gate_b", (r,), ("rank",), "zeros", pre + "gate_proj.bias")
+        elif c.markov_head_type == "rnn":
+            p["joint_w"] = decl("joint_w", (h + 2 * r, 3 * r), (None, None), "normal", pre + "joint_proj.weight",
+                                transpose=True)
+            p["joint_b"] = decl("joint_b", (3 * r,), (None,), "zeros", pre + "joint_proj.bias")
+        self.p = p
+
+
+class _ConfidenceHead(nn.Module):
+    cfg: DSparkConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        c_in = c.backbone.hidden_size + (c.markov_rank if c.confidence_with_markov and c.markov_rank else 0)
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        self.w = decl("w", (c_in, 1), (None, None), "normal", "confidence_head.proj.weight", transpose=True)
+        self.b = decl("b", (1,), (None,), "zeros", "confidence_head.proj.bias")
+
+
+class DSparkNet(DFlashNet):
+    """The DFlash backbone's declarations plus the drafter's own embedding / LM head copies
+    (`embed_tokens.weight`, `lm_head.weight`) and the Markov and confidence heads (DeepSpec names)."""
+
+    spark: DSparkConfig | None = None
+
+    def setup(self):
+        super().setup()
+        c = self.spark
+        h, v = c.backbone.hidden_size, c.backbone.layers.vocab_size
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        self.embed = decl("embed", (v, h), ("vocab", "embed"), "normal", "embed_tokens.weight")
+        self.lm_head = decl("lm_head", (h, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+        if c.markov_rank:
+            self.markov = _MarkovHead(c, self.init_std, self.param_dtype, name="markov")
+        if c.confidence_head:
+            self.confidence = _ConfidenceHead(c, self.init_std, self.param_dtype, name="confidence")
+
+    def declare(self):
+        heads = (self.markov.p if self.spark.markov_rank else None,
+                 self.confidence.w if self.spark.confidence_head else None)
+        return super().declare(), self.embed, self.lm_head, heads
+
+
+def _net(cfg: DSparkConfig, **kw) -> DSparkNet:
+    return DSparkNet(cfg.backbone, spark=cfg, **kw)
+
+
+@functools.lru_cache(maxsize=64)
+def declarations(cfg: DSparkConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's declaration (boxes of ShapeDtypeStructs), `layers` as a list."""
+    return transformer.from_linen(abstract_tree(_net(cfg, param_dtype=dtype), DSparkNet.declare)["params"])
+
+
 def param_shapes(cfg: DSparkConfig) -> dict:
-    h, v, r = cfg.backbone.hidden_size, cfg.backbone.layers.vocab_size, cfg.markov_rank
-    shapes = dflash_param_shapes(cfg.backbone)
-    shapes.update(embed=(v, h), lm_head=(h, v))
-    if r:
-        markov = {"w1": (v, r), "w2": (r, v)}
-        if cfg.markov_head_type == "gated":
-            markov["gate_w"], markov["gate_b"] = (h + r, r), (r,)
-        elif cfg.markov_head_type == "rnn":
-            markov["joint_w"], markov["joint_b"] = (h + 2 * r, 3 * r), (3 * r,)
-        shapes["markov"] = markov
-    if cfg.confidence_head:
-        shapes["confidence"] = {"w": (h + (r if cfg.confidence_with_markov and r else 0), 1), "b": (1,)}
-    return shapes
+    return shapes(declarations(cfg))
 
 
 def init_params(cfg: DSparkConfig, key: jax.Array, target_params: dict, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random backbone and heads; embedding and LM head copied from the target (frozen)."""
-    k1, k2 = jax.random.split(key)
-    params = dflash_init_params(cfg.backbone, k1, dtype, std)
+    params = transformer.from_linen(unbox(init_tree(_net(cfg, init_std=std, param_dtype=dtype), DSparkNet.declare,
+                                                    key))["params"])
     embed = target_params["embed"]
     params["embed"] = embed.astype(dtype)
     params["lm_head"] = target_params.get("lm_head", embed.T).astype(dtype)
-    shapes = param_shapes(cfg)
-    for group in ("markov", "confidence"):
-        if group in shapes:
-            keys = jax.random.split(jax.random.fold_in(k2, len(group)), len(shapes[group]))
-            params[group] = {
-                name: (jnp.zeros(s, dtype) if name.endswith("b") else (std * jax.random.normal(k, s)).astype(dtype))
-                for k, (name, s) in zip(keys, sorted(shapes[group].items()))
-            }
     return params
 
 
@@ -114,6 +167,9 @@ class DSpark(DFlash):
     def __post_init__(self):
         if self.spark is not None and self.cfg is None:
             object.__setattr__(self, "cfg", self.spark.backbone)
+
+    def param_axes(self):
+        return logical_axes(declarations(self.spark))
 
     def backbone(self, dparams, state: DFlashState, ctx: DraftContext):
         """(hidden [B, g, H], unary logits U [B, g, V])."""

@@ -26,6 +26,7 @@ from jspec.drafters.dflash import DFlashConfig
 from jspec.drafters.dflash import declarations as dflash_declarations
 from jspec.drafters.dflash import param_shapes as dflash_shapes
 from jspec.drafters.dspark import DSparkConfig
+from jspec.drafters.dspark import declarations as dspark_declarations
 from jspec.drafters.dspark import param_shapes as dspark_shapes
 from jspec.io.hf import (
     CheckpointError,
@@ -78,24 +79,7 @@ def _backbone_tensors(cfg: DFlashConfig) -> dict:
 
 
 def _dspark_tensors(cfg: DSparkConfig) -> dict:
-    out = _backbone_tensors(cfg.backbone)
-    h, v, r = cfg.backbone.hidden_size, cfg.backbone.layers.vocab_size, cfg.markov_rank
-    out["embed_tokens.weight"] = ((v, h), "embed", None, False)
-    out["lm_head.weight"] = ((v, h), "lm_head", None, True)
-    if r:
-        out["markov_head.markov_w1.weight"] = ((v, r), ("markov", "w1"), None, False)
-        out["markov_head.markov_w2.weight"] = ((v, r), ("markov", "w2"), None, True)
-        if cfg.markov_head_type == "gated":
-            out["markov_head.gate_proj.weight"] = ((r, h + r), ("markov", "gate_w"), None, True)
-            out["markov_head.gate_proj.bias"] = ((r,), ("markov", "gate_b"), None, False)
-        elif cfg.markov_head_type == "rnn":
-            out["markov_head.joint_proj.weight"] = ((3 * r, h + 2 * r), ("markov", "joint_w"), None, True)
-            out["markov_head.joint_proj.bias"] = ((3 * r,), ("markov", "joint_b"), None, False)
-    if cfg.confidence_head:
-        c_in = h + (r if cfg.confidence_with_markov and r else 0)
-        out["confidence_head.proj.weight"] = ((1, c_in), ("confidence", "w"), None, True)
-        out["confidence_head.proj.bias"] = ((1,), ("confidence", "b"), None, False)
-    return out
+    return declared_tensors(dspark_declarations(cfg))
 
 
 def dflash_config_from_hf(hf: dict) -> DFlashConfig:
