@@ -37,6 +37,7 @@ from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, Prefi
 from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
 from jspec.models import transformer
+from jspec.models.attention import KV_CHUNK
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 
@@ -135,7 +136,8 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
 
 
 def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                 anchor_pos: jax.Array, block_tokens: jax.Array, kernels: str = "reference") -> jax.Array:
+                 anchor_pos: jax.Array, block_tokens: jax.Array, kernels: str = "reference",
+                 kv_chunk: int | None = None) -> jax.Array:
     """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
@@ -145,13 +147,16 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     they hold (rejected or unwritten memory) cannot leak.
     kernels: "reference" (the jnp layers below), "pallas" (the fused draft-layer kernels of
     jspec.kernels.draft, same result) or "auto" (jspec.kernels.resolve: pallas on TPU / GPU).
+    kv_chunk: None reads every context row (training, differentiable); an int reads only the rows
+    up to the furthest anchor, in chunks (inference: cost follows the context, not the cache size).
     """
     if use_pallas(kernels):
         return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
     h = embed[block_tokens]  # [B, A, W, D]
     for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
-        h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc)
+        h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc,
+                                        kv_chunk)
     return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
 
 
@@ -167,7 +172,8 @@ def draft_block(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Ar
     """Hidden states [B, W, H] of one block per row (inference): anchor [B], anchor_pos [B];
     block_tokens [B, W] overrides the default [anchor, mask x (W - 1)]; kernels: as `draft_blocks`."""
     tokens = block_inputs(cfg, anchor) if block_tokens is None else block_tokens
-    return draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor_pos[:, None], tokens[:, None], kernels)[:, 0]
+    return draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor_pos[:, None], tokens[:, None], kernels,
+                        KV_CHUNK)[:, 0]
 
 
 def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:

@@ -61,18 +61,22 @@ from jspec.models.config import ModelConfig, default_rope_inv_freq
 _MIB = 1 << 20
 
 
-def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig) -> jax.Array:
-    """One DFlash draft layer in pure jnp, as `dflash.draft_blocks` computes it: [B, A, W, D]."""
+def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None) -> jax.Array:
+    """One DFlash draft layer in pure jnp, as `dflash.draft_blocks` computes it: [B, A, W, D].
+
+    kv_chunk: None attends over every context row in one block (static shapes, differentiable:
+    training); an int reads the context in chunks of that many rows, only up to the furthest anchor
+    of the batch (a dynamic trip count, an online softmax in float32): inference, whose cost then
+    follows the committed context instead of the cache's size."""
     b, a, w, _ = h.shape
     h = h.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
     inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
-    rows = jnp.arange(ctx_k.shape[1])
-    visible = rows[None, None, :] < jnp.repeat(anchor_pos, w, axis=1)[:, :, None]
-    any_visible = rows[None, :] < jnp.max(anchor_pos, axis=1)[:, None]
+    anchors = jnp.repeat(anchor_pos, w, axis=1)  # [B, T]: the anchor of each slot's block
     group = jnp.repeat(jnp.arange(a), w)
     same_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * w, a * w))
     hq, hkv, dh, eps, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, a * w
+    s = ctx_k.shape[1]
 
     x = transformer.rms_norm(h, lp["attn_norm"], eps)
     q = (x @ lp["wq"]).reshape(b, t, hq, dh)
@@ -80,15 +84,48 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig) -
     vb = (x @ lp["wv"]).reshape(b, t, hkv, dh)
     q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
     kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], eps), positions, inv_freq)
-    in_window = rows[None, None, :] >= positions[:, :, None] - (window - 1)
-    ctx_mask = visible & ((window == 0) | in_window)
-    keys = jnp.concatenate([jnp.where(any_visible[:, :, None, None], ctx_k, 0), kb], axis=1)
-    vals = jnp.concatenate([jnp.where(any_visible[:, :, None, None], ctx_v, 0), vb], axis=1)
-    mask = jnp.concatenate([ctx_mask, same_block], axis=2)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
-    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals).reshape(b, t, hq * dh)
+    scale = dh**-0.5
+
+    def context(start, size):
+        """Masked scores [B, Hkv, G, T, C] and zeroed-where-unseen values [B, C, Hkv, Dh] of rows start.."""
+        rows = start + jnp.arange(size)
+        mask = (rows[None, None, :] < anchors[:, :, None]) & (
+            (window == 0) | (rows[None, None, :] >= positions[:, :, None] - (window - 1)))
+        seen = jnp.any(mask, axis=1)  # [B, C]
+        keys = jnp.where(seen[:, :, None, None], jax.lax.dynamic_slice_in_dim(ctx_k, start, size, axis=1), 0)
+        vals = jnp.where(seen[:, :, None, None], jax.lax.dynamic_slice_in_dim(ctx_v, start, size, axis=1), 0)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
+        return jnp.where(mask[:, None, None], scores, -jnp.inf), vals
+
+    block_scores = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+    block_scores = jnp.where(same_block[:, None, None], block_scores, -jnp.inf)
+    if kv_chunk is None or s <= kv_chunk:
+        ctx_scores, vals = context(0, s)
+        probs = jax.nn.softmax(jnp.concatenate([ctx_scores, block_scores], axis=-1), axis=-1)
+        values = jnp.concatenate([vals, vb], axis=1)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values).reshape(b, t, hq * dh)
+    else:
+        # Online softmax: start from the block's own keys (every slot sees itself), add context chunks.
+        m = jnp.max(block_scores, axis=-1)
+        p = jnp.exp(block_scores - m[..., None])
+        stats = (m, jnp.sum(p, axis=-1),
+                 jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32))
+
+        def step(i, carry):
+            m, l, acc = carry
+            start = jnp.minimum(i * kv_chunk, s - kv_chunk)
+            scores, vals = context(start, kv_chunk)
+            scores = jnp.where(start + jnp.arange(kv_chunk) >= i * kv_chunk, scores, -jnp.inf)  # clamped overlap
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            p = jnp.exp(scores - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
+        _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
+        attn = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype).reshape(b, t, hq * dh)
     h = h + attn @ lp["wo"]
     x = transformer.rms_norm(h, lp["mlp_norm"], eps)
     h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
