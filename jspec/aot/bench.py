@@ -6,11 +6,16 @@ For every combination of batch, context, verifier and chain / tree, the speculat
 compile-only chip (jspec.aot.devices) with abstract inputs (`jax.eval_shape` of random init: nothing
 is allocated), and the optimized HLO of the decode loop's while body is walked (jspec.aot.hlo_bytes).
 
-Ideal bytes per round = one read of every weight (target, and drafter for speculative loops) + the
-valid K/V (context rows x layers x 2 x kv_heads x head_dim x itemsize x batch, target and drafter
-context caches) + the K/V rows the round writes (verify width rows of the target, as many drafter
-context rows). roofline fraction = ideal / actual. The compiled cache covers `context` committed
-rows, so the ideal is the round at a full cache, the most expensive one.
+Ideal bytes per round = one read of every target weight except the embedding table (a round gathers
+only the few rows of its input tokens; with tied embeddings the table is the LM head and counts) + one
+read of every drafter weight + the drafter's read of the target's shared LM head (DFlash computes its
+draft logits with it: a read the drafter needs, on top of the target's own logits) + the valid K/V
+(context rows x layers x 2 x kv_heads x head_dim x itemsize x batch, target and drafter context
+caches) + the K/V rows the round writes (verify width rows of the target, as many drafter context
+rows as it commits). roofline fraction = ideal / actual. The compiled cache covers `context` committed
+rows, so the ideal is the round at a full cache, the most expensive one. Weight bytes in the measured
+columns are reads of the loop state that comes from the program's weight arguments (`params`,
+`dparams`); other loop-invariant buffers count as `other`.
 
 Targets (the `pass` column): fraction >= 0.85 at batch 1 / 4k and >= 0.75 at 32k or batch 8;
 device memory besides weights and K/V caches (temp + outputs - caches) <= 10% of the caches; and at
@@ -35,6 +40,7 @@ TREE_BUDGET = 32
 BLOCK = 16
 PROMPT_LEN = 64  # prefill width of the compiled program; the loop's cost does not depend on it
 QUICK = {"batches": (1,), "contexts": (4096,), "verifiers": ("greedy",)}
+WEIGHT_ARGS = ("params", "dparams")  # the compiled loops' weight arguments (target, drafter)
 
 
 def shapes() -> dict:
@@ -128,8 +134,11 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
               jax.ShapeDtypeStruct((b,), jnp.uint32))
     row = kv_row_bytes(cfg, 2)
     smallest = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params) if x.ndim >= 2)
-    info = {"weights_target": _nbytes(params), "weights_drafter": 0, "kv_row_bytes": row,
-            "weight_min_bytes": min(1 << 20, smallest // 2)}
+    embed = _nbytes(params["embed"])
+    head = embed if cfg.tie_word_embeddings else _nbytes(params["lm_head"])
+    info = {"weights_target": _nbytes(params), "weights_drafter": 0, "embed_bytes": embed, "head_bytes": head,
+            "tied_head": bool(cfg.tie_word_embeddings), "drafter_head_bytes": 0, "kv_row_bytes": row,
+            "weight_min_bytes": min(1 << 20, smallest // 2), "weight_args": list(WEIGHT_ARGS)}
     with jax.default_device(dev):
         args = devices.abstract(inputs, dev)
         p_abs = devices.abstract(params, dev)
@@ -150,6 +159,9 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
             d_row = kv_row_bytes(dc.layers, 2)
             d_rows = dr.max_depth + 1  # the drafter commits at most the accepted path and the anchor
             info["weights_drafter"] = _nbytes(dparams)
+            # DFlash turns its draft slots into logits with the target's (shared) LM head: one more
+            # read of the head per round, which the drafter needs.
+            info["drafter_head_bytes"] = head
             cache_bytes = b * (cache_size + width) * (row + d_row)
         start = time.perf_counter()
         compiled = lowered.compile()
@@ -158,16 +170,30 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
     return compiled, info
 
 
-def measure(chip: str, shape: str, case: Case, kernels: str = "reference") -> dict:
-    """One table row: bytes per round by class, ideal bytes, fraction, kernels, memory, pass/fail."""
+def ideal_bytes(info: dict) -> dict:
+    """The least a round can move, by part (bytes): `weights` = every target weight once except the
+    embedding table (a round gathers only a few of its rows; with tied embeddings the table is the LM
+    head and is read whole) + every drafter weight once; `drafter_head` = the drafter's own read of the
+    target's shared LM head (logits of the draft slots); `kv` = the valid K/V of the target's and the
+    drafter's context caches; `writes` = the K/V rows the round writes."""
+    target = info["weights_target"] - (0 if info.get("tied_head") else info.get("embed_bytes", 0))
+    parts = {"weights": target + info["weights_drafter"], "drafter_head": info.get("drafter_head_bytes", 0),
+             "kv": info["kv_ideal"], "writes": info["writes_ideal"]}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def score(chip: str, shape: str, case: Case, text: str, mem: dict, info: dict, trace: bool = False) -> dict:
+    """One table row from a compiled program's optimized HLO text, its memory stats and `info`."""
     from jspec.aot import hlo_bytes
 
-    compiled, info = compile_case(chip, shape, case, kernels)
-    # Weight buffers are told apart from activations by size: anything as large as the smallest
-    # weight matrix (halved for layout padding slack), capped at 1 MiB.
-    loop = hlo_bytes.decode_loop_bytes(compiled.as_text(), weight_min_bytes=info["weight_min_bytes"])
-    mem = hlo_bytes.memory_stats(compiled)
-    ideal = info["weights_target"] + info["weights_drafter"] + info["kv_ideal"] + info["writes_ideal"]
+    # Weight buffers: the loop state elements that come from the program's weight arguments (`params`,
+    # `dparams`); without those names, anything as large as the smallest weight matrix (halved for
+    # layout padding slack), capped at 1 MiB.
+    loop = hlo_bytes.decode_loop_bytes(text, weight_min_bytes=info["weight_min_bytes"], trace=trace,
+                                       weight_args=tuple(info.get("weight_args") or ()) or None)
+    ideal_parts = ideal_bytes(info)
+    ideal = ideal_parts["total"]
     ratio = ideal / loop.total if loop.total else 0.0
     overhead = mem["temp"] + mem["output"] - info["cache_bytes"]
     peak = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
@@ -175,15 +201,99 @@ def measure(chip: str, shape: str, case: Case, kernels: str = "reference") -> di
     checks = {"ratio": ratio >= case.target_ratio, "temp": overhead <= 0.10 * info["cache_bytes"]}
     if case.batch == max(BATCHES) and case.context == max(CONTEXTS):
         checks["fits"] = peak <= hbm
-    return {
+    row = {
         "chip": chip, "shape": shape, "case": case.label, **dataclasses.asdict(case),
-        "bytes": loop.as_dict(), "ideal": ideal, "ideal_weights": info["weights_target"] + info["weights_drafter"],
-        "ideal_kv": info["kv_ideal"], "ideal_writes": info["writes_ideal"], "ratio": ratio,
+        "bytes": loop.as_dict(), "ideal": ideal, "ideal_weights": ideal_parts["weights"],
+        "ideal_drafter_head": ideal_parts["drafter_head"], "ideal_kv": ideal_parts["kv"],
+        "ideal_writes": ideal_parts["writes"], "ratio": ratio,
         "target_ratio": case.target_ratio, "kernels": loop.kernels, "memory": mem,
         "cache_bytes": info["cache_bytes"], "overhead_bytes": overhead, "peak_bytes": peak, "hbm_bytes": hbm,
         "round_bound_s": loop.total / devices.HBM_BANDWIDTH[chip], "checks": checks, "pass": all(checks.values()),
         "compile_s": info["compile_s"],
     }
+    if trace:
+        row["top"] = top_consumers(loop)
+    return row
+
+
+def top_consumers(loop, n: int = 5, column: int = 3) -> list[dict]:
+    """The `n` largest consumers of `other` bytes per round (activations, copies of weight or cache
+    slices, logits, masks: what the ideal does not have) in a traced walk (`trace=True`), kernels
+    grouped by their op_name metadata (the jax operation they come from; the same op in every layer is
+    one group: numeric path components read as `*`), else by kernel name without its numeric suffix.
+    Each: op_name, `other` bytes and all bytes per round, kernels, executions per round, and the
+    group's largest kernel. `column` picks another class to rank by (the `other` key then holds it):
+    0 weights, 1 kv_reads, 2 cache_writes, 3 other."""
+    import re
+
+    agg: dict[str, dict] = {}
+    for name, op, nbytes, times in loop.items:
+        kernel = name.split("/")[-1]
+        op_name = loop.op_names.get(name, "")
+        op_name = re.sub(r"/\d+(?=/)", "/*", op_name)  # the same operation in every layer: one group
+        key = op_name or re.sub(r"\.\d+$", "", kernel)
+        a = agg.setdefault(key, {"op_name": op_name, "opcode": op, "other": 0.0, "bytes": 0.0, "kernels": {},
+                                 "executions": 0.0})
+        extra = loop.class_bytes.get(name, (0.0,) * 4)[column] * times
+        a["other"] += extra
+        a["bytes"] += nbytes * times
+        a["kernels"][kernel] = a["kernels"].get(kernel, 0.0) + extra
+        a["executions"] += times
+    ranked = sorted(agg.values(), key=lambda a: -a["other"])[:n]
+    return [{**a, "kernel": max(a["kernels"], key=a["kernels"].get), "kernels": len(a["kernels"])} for a in ranked]
+
+
+def _slug(case: Case) -> str:
+    return case.label.replace(" ", "-")
+
+
+def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_dir: str | None = None) -> dict:
+    """One table row: bytes per round by class, ideal bytes, fraction, kernels, memory, pass/fail. With
+    `dump_dir` (or $JSPEC_AOT_DUMP), the optimized HLO and the sizes are saved there, to be scored
+    again without compiling (`python -m jspec.aot.bench --rescore DIR`)."""
+    import gzip
+    import os
+
+    from jspec.aot import hlo_bytes
+
+    compiled, info = compile_case(chip, shape, case, kernels)
+    text = compiled.as_text()
+    mem = hlo_bytes.memory_stats(compiled)
+    dump_dir = dump_dir or os.environ.get("JSPEC_AOT_DUMP")
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        stem = os.path.join(dump_dir, f"{chip}_{shape}_{_slug(case)}")
+        with gzip.open(stem + ".hlo.gz", "wt") as f:
+            f.write(text)
+        with open(stem + ".json", "w") as f:
+            json.dump({"chip": chip, "shape": shape, "case": dataclasses.asdict(case), "info": info, "memory": mem},
+                      f, indent=1)
+    return score(chip, shape, case, text, mem, info, trace=True)
+
+
+def rescore(dump_dir: str, chip: str | None = None) -> list[dict]:
+    """Rows scored again from a dump directory written by `measure` (cases in table order)."""
+    import glob
+    import gzip
+
+    found = []
+    for path in glob.glob(f"{dump_dir}/*.json"):
+        with open(path) as f:
+            meta = json.load(f)
+        if chip and meta["chip"] != chip:
+            continue
+        with gzip.open(path[: -len(".json")] + ".hlo.gz", "rt") as f:
+            text = f.read()
+        case = Case(**meta["case"])
+        found.append(score(meta["chip"], meta["shape"], case, text, meta["memory"], meta["info"], trace=True))
+    order = {c: i for i, c in enumerate(cases())}
+    return sorted(found, key=lambda r: (r["chip"], order.get(Case(r["loop"], r["batch"], r["context"], r["verifier"],
+                                                                    r["tree"]), 1 << 30)))
+
+
+LEGEND = ("ideal = target weights without the embedding table (only gathered) + drafter weights + the "
+          "drafter's read of the target's shared LM head (its draft logits) + valid K/V of the target's and "
+          "drafter's caches + K/V rows written; ratio = ideal / actual")
 
 
 def _gb(x: float) -> str:
@@ -223,6 +333,7 @@ def run(chip: str, shape: str, selected: list[Case], json_path: str | None = Non
     unknown = sorted({t for r in rows for t in r["bytes"]["unknown_trips"]})
     print(f"\n{chip} ({devices.aot_device(chip).device_kind}), shape {shape}, bf16; bytes per decode round in GB; "
           f"kernels = launches per round; temp/output/cache/peak = device memory (GB)", file=out)
+    print(LEGEND, file=out)
     print(table(rows), file=out)
     if unknown:
         print(f"note: {len(unknown)} inner loops with a data-dependent trip count were counted once "
@@ -232,3 +343,51 @@ def run(chip: str, shape: str, selected: list[Case], json_path: str | None = Non
             json.dump({"chip": chip, "shape": shape, "rows": rows}, f, indent=1)
         print(f"wrote {json_path}", file=sys.stderr)
     return rows
+
+
+def top_table(rows: list[dict], n: int = 3, failing_only: bool = True) -> str:
+    """The `n` largest consumers of `other` bytes of each (failing) row: GB per round, op_name, kernels."""
+    out = []
+    for r in rows:
+        if failing_only and r["pass"]:
+            continue
+        out.append(f"{r['case']}:")
+        for t in r.get("top", [])[:n]:
+            out.append(f"  {t['other'] / 1e9:7.2f} GB  {t['op_name'] or t['kernel']}  ({t['kernels']} {t['opcode']} "
+                       f"kernels, {t['executions']:.0f} runs/round, e.g. {t['kernel']})")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    """`python -m jspec.aot.bench --rescore DIR`: the table again from the HLO saved by `measure`
+    (JSPEC_AOT_DUMP=DIR), with the top byte consumers of the failing rows; no compiler needed."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--rescore", required=True, help="a directory written by measure(dump_dir=...)")
+    ap.add_argument("--chip", choices=devices.CHIPS)
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--top", type=int, default=3, help="byte consumers listed per failing row")
+    args = ap.parse_args(argv)
+    rows = rescore(args.rescore, args.chip)
+    if not rows:
+        print(f"no dumped cases in {args.rescore}", file=sys.stderr)
+        return 1
+    for chip in sorted({r["chip"] for r in rows}):
+        mine = [r for r in rows if r["chip"] == chip]
+        print(f"\n{chip}, shape {mine[0]['shape']}, bf16; bytes per decode round in GB; kernels = launches per "
+              f"round; temp/output/cache/peak = device memory (GB)")
+        print(LEGEND)
+        print(table(mine))
+        if args.top:
+            print(f"\ntop {args.top} consumers of `other` bytes (beyond weights, K/V reads and cache writes) of the "
+                  f"failing rows, GB per round:")
+            print(top_table(mine, args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

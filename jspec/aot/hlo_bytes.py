@@ -6,19 +6,27 @@ computation is one kernel (a fusion, a custom call such as a Pallas kernel or a 
 the sum, over the instructions of the loop body, of operand bytes read + result bytes written, with:
 
 - fusions counted at their boundary (what happens inside stays on chip), except that a fused
-  parameter used only through slicing ops (slice / dynamic-slice / gather) reads just the slices,
+  parameter used only through slicing ops (slice / dynamic-slice / gather) reads just the slices
+  (through nested fusions too: a value that reaches a nested fusion's root is read as much as that
+  fusion's result is read; at the root of the kernel's own fused computation it is read whole),
   and the buffer that a root dynamic-update-slice / scatter updates in place is neither read nor
   rewritten: only the update is written (XLA's own cost model makes the same two exceptions);
 - parameter, get-tuple-element, tuple, bitcast, constant and the *-done halves of async pairs free;
 - inner while loops counted times their trip count: XLA's `known_trip_count` annotation, else the
-  `i < N` pattern of the condition with a constant start, else once (listed in `unknown_trips`);
+  `i < N` pattern of the condition with a constant start and N constant, else, when N is carried
+  through the loop from a value with a static upper bound (a `clip` / `minimum` with a constant, as a
+  loop over the valid part of a cache has), at that bound (listed in `bounded_trips`: the cost at a
+  full cache), else once (listed in `unknown_trips`);
 - conditionals counted at their most expensive branch (listed in `notes`);
 - buffers outside device memory (a layout with a memory space S(n), n > 0: TPU VMEM / SMEM, host)
   are on-chip or off-device traffic and count zero.
 
 Bytes are classified by the buffer they touch. Elements of a loop's state tuple get a class: weights
-(loop-invariant elements of at least `weight_min_bytes`, inherited by inner loops from their init
-value), cache (carried elements of rank >= 4 and at least `weight_min_bytes`: K/V caches) or other.
+(loop-invariant elements that come from the program's weight arguments, named by `weight_args`, the
+jitted function's argument names as in the entry parameters' op_name metadata; without names, every
+loop-invariant element of at least `weight_min_bytes`), cache (carried elements of rank >= 4 and at
+least `weight_min_bytes`: K/V caches) or other; inner loops inherit the class of each element's init
+value (an element of an inner loop is never a weight or cache of its own).
 Values derived by bitcast / get-tuple-element / tuple / in-place update keep their buffer's class.
 Reads of weight buffers are `weights`, reads of cache buffers `kv_reads`, writes into cache buffers
 (in-place updates, or values that become a cache element of the loop state) `cache_writes`, and all
@@ -71,6 +79,11 @@ class Instr:
     operands: list[str]
     attrs: str
     root: bool = False
+
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', self.attrs)
+        return m.group(1).replace("\\'", "'") if m else ""
 
     def attr(self, key: str) -> str | None:
         m = re.search(rf"(?:^|[ ,]){re.escape(key)}=(\"[^\"]*\"|%?[\w.\-]+)", self.attrs)
@@ -242,9 +255,15 @@ class LoopBytes:
     other: float = 0.0
     kernels: float = 0.0
     unknown_trips: list[str] = dataclasses.field(default_factory=list)
+    # inner loops with a data-dependent trip count, counted at its static upper bound: name -> bound
+    bounded_trips: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     # (computation/instruction, opcode, bytes per execution, executions per iteration), when traced
     items: list[tuple[str, str, float, float]] = dataclasses.field(default_factory=list)
+    # computation/instruction -> its op_name metadata (the jax operation it came from), when traced
+    op_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    # computation/instruction -> its (weights, kv_reads, cache_writes, other) bytes per execution, traced
+    class_bytes: dict[str, tuple] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -254,13 +273,17 @@ class LoopBytes:
         for f in ("weights", "kv_reads", "cache_writes", "other", "kernels"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.items += [(n, op, b, k * times) for n, op, b, k in other.items]
+        self.op_names.update(other.op_names)
+        self.class_bytes.update(other.class_bytes)
         self.unknown_trips += [t for t in other.unknown_trips if t not in self.unknown_trips]
+        self.bounded_trips.update(other.bounded_trips)
         self.notes += [n for n in other.notes if n not in self.notes]
 
     def as_dict(self) -> dict:
         return {"weights": self.weights, "kv_reads": self.kv_reads, "cache_writes": self.cache_writes,
                 "other": self.other, "total": self.total, "kernels": self.kernels,
-                "unknown_trips": list(self.unknown_trips), "notes": list(self.notes)}
+                "unknown_trips": list(self.unknown_trips), "bounded_trips": dict(self.bounded_trips),
+                "notes": list(self.notes)}
 
 
 def _through_bitcasts(comp: Computation, name: str) -> Instr:
@@ -283,11 +306,14 @@ def _const_int(comp: Computation, name: str) -> int | None:
 class Walker:
     """Walk a parsed module; `loop_bytes(while_instr)` gives one iteration of that loop's body."""
 
-    def __init__(self, module: Module, weight_min_bytes: int = 1 << 20, trace: bool = False):
+    def __init__(self, module: Module, weight_min_bytes: int = 1 << 20, trace: bool = False,
+                 weight_args: tuple[str, ...] | None = None):
         self.m = module
         self.trace = trace
         self.weight_min = weight_min_bytes
+        self.weight_args = tuple(weight_args) if weight_args else None
         self._users: dict[str, dict[str, list[str]]] = {}
+        self._bounded: dict[str, int] = {}  # loops counted at a static upper bound of their trip count
 
     # -- helpers over fused computations
     def _users_of(self, comp: Computation) -> dict[str, list[str]]:
@@ -350,6 +376,9 @@ class Walker:
 
     # -- loop state classes
     def _trip_count(self, comp: Computation, ins: Instr) -> int | None:
+        """Trips of while `ins`: XLA's known_trip_count, else `i < N` with a constant start and a bound
+        N that is a constant, or carried unchanged from a value with a static upper bound (then the
+        loop is counted at that bound and `self._bounded` records it)."""
         n = ins.backend_config.get("known_trip_count", {}).get("n")
         if n is not None:
             return int(n)
@@ -360,36 +389,97 @@ class Walker:
         root = _through_bitcasts(cond, cond.root)
         if root.opcode == "fusion":  # GPU wraps the compare in a fusion
             fused = self.m.computations[root.attr("calls")]
-            froot = _through_bitcasts(fused, fused.root)
-            if froot.opcode != "compare" or len(root.operands) != 1:
+            cmp = _through_bitcasts(fused, fused.root)
+            if cmp.opcode != "compare":
                 return None
-            lhs, rhs = (_through_bitcasts(fused, o) for o in froot.operands)
-            if lhs.opcode != "parameter":
-                return None
-            bound = _const_int(fused, rhs.name)
-            counter = _through_bitcasts(cond, root.operands[0])
-            cmp = froot
+            sides = []
+            for o in cmp.operands:
+                x = _through_bitcasts(fused, o)
+                if x.opcode == "parameter":
+                    sides.append((cond, root.operands[int(x.attr("parameter_value"))]))
+                else:
+                    sides.append((fused, x.name))
         elif root.opcode == "compare":
-            counter, bound = _through_bitcasts(cond, root.operands[0]), _const_int(cond, root.operands[1])
             cmp = root
-            rhs = _through_bitcasts(cond, root.operands[1])
-            if bound is None and rhs.opcode == "get-tuple-element" and self._passes_through(ins, int(rhs.attr("index"))):
-                init = _through_bitcasts(comp, ins.operands[0])  # a bound carried unchanged from a constant
-                if init.opcode == "tuple":
-                    bound = _const_int(comp, init.operands[int(rhs.attr("index"))])
+            sides = [(cond, o) for o in root.operands]
         else:
             return None
-        if bound is None or counter.opcode != "get-tuple-element" or "direction=LT" not in cmp.attrs:
+        if "direction=LT" not in cmp.attrs:
             return None
-        k = int(counter.attr("index"))
+        counter = _through_bitcasts(*sides[0])
+        if counter.opcode != "get-tuple-element":
+            return None
         init = _through_bitcasts(comp, ins.operands[0])
         if init.opcode != "tuple":
             return None
+        bound = _const_int(*sides[1])
+        exact = True
+        if bound is None:
+            rhs = _through_bitcasts(*sides[1])
+            if sides[1][0] is cond and rhs.opcode == "get-tuple-element" and \
+                    self._passes_through(ins, int(rhs.attr("index"))):
+                src = init.operands[int(rhs.attr("index"))]  # a bound carried unchanged through the loop
+                bound = _const_int(comp, src)
+                if bound is None:
+                    bound, exact = self._upper_bound(comp, src), False
+        if bound is None:
+            return None
+        k = int(counter.attr("index"))
         start = _const_int(comp, init.operands[k])
         step_ins = _through_bitcasts(body, body.instrs[body.root].operands[k])
         if start is None or step_ins.opcode not in ("add", "fusion"):
             return None
+        if not exact:
+            self._bounded[f"{comp.name}/{ins.name}"] = max(bound - start, 0)
         return max(bound - start, 0)
+
+    def _upper_bound(self, comp: Computation, name: str, env: dict | None = None, depth: int = 0) -> int | None:
+        """A static upper bound of an integer scalar: constants through copies, converts, tuples,
+        fusions, clamp (its upper end), minimum (its smallest bounded operand), maximum and select (the
+        largest, when all are bounded). `env` maps a fused computation's parameters to the fusion's
+        operands."""
+        if depth > 64:
+            return None
+        ins = _through_bitcasts(comp, name)
+        op = ins.opcode
+        rec = lambda c, n, e=env: self._upper_bound(c, n, e, depth + 1)
+        if op == "constant":
+            return _const_int(comp, ins.name)
+        if op == "parameter" and env is not None:
+            outer_comp, outer_ins, outer_env = env["comp"], env["ins"], env["env"]
+            k = int(ins.attr("parameter_value"))
+            return self._upper_bound(outer_comp, outer_ins.operands[k], outer_env, depth + 1) \
+                if k < len(outer_ins.operands) else None
+        if op in ("copy", "convert", "reshape", "broadcast") and ins.operands:
+            return rec(comp, ins.operands[0])
+        if op == "clamp" and len(ins.operands) == 3:
+            return rec(comp, ins.operands[2])
+        if op == "minimum":
+            known = [b for b in (rec(comp, o) for o in ins.operands) if b is not None]
+            return min(known) if known else None
+        if op in ("maximum", "select"):
+            ops = ins.operands[1:] if op == "select" else ins.operands
+            known = [rec(comp, o) for o in ops]
+            return max(known) if known and None not in known else None
+        if op == "fusion":
+            fused = self.m.computations[ins.attr("calls")]
+            return self._upper_bound(fused, fused.root, {"comp": comp, "ins": ins, "env": env}, depth + 1)
+        if op == "get-tuple-element":
+            src = _through_bitcasts(comp, ins.operands[0])
+            k = int(ins.attr("index"))
+            if src.opcode == "tuple":
+                return rec(comp, src.operands[k])
+            if src.opcode == "fusion":
+                fused = self.m.computations[src.attr("calls")]
+                froot = _through_bitcasts(fused, fused.root)
+                if froot.opcode == "tuple":
+                    return self._upper_bound(fused, froot.operands[k], {"comp": comp, "ins": src, "env": env},
+                                             depth + 1)
+            if src.opcode == "while" and self._passes_through(src, k):
+                init = _through_bitcasts(comp, src.operands[0])
+                if init.opcode == "tuple":
+                    return rec(comp, init.operands[k])
+        return None
 
     def _source(self, comp: Computation, name: str) -> Instr:
         """The instruction a value comes from, looking through bitcasts, tuples and loops that pass
@@ -419,7 +509,43 @@ class Walker:
         src = self._source(body, root.operands[k])
         return src.opcode == "get-tuple-element" and src.operands == [body.params[0]] and int(src.attr("index")) == k
 
-    def _state_classes(self, body: Computation, init: list | None) -> list[str]:
+    def _is_weight_arg(self, ins: Instr) -> bool:
+        """An entry parameter whose op_name (jax's argument path, e.g. params['layers'][0]['wq']) starts
+        with one of `weight_args`."""
+        name = ins.op_name
+        return any(name == a or name.startswith(a + "[") or name.startswith(a + ".") for a in self.weight_args)
+
+    def weight_elements(self, comp: Computation, loop: Instr) -> set[int] | None:
+        """Indices of the state elements of `loop` (a while of the entry computation) that are weight
+        arguments of the program or computed from them alone before the loop; None without
+        `weight_args`."""
+        if self.weight_args is None:
+            return None
+        init = _through_bitcasts(comp, loop.operands[0])
+        if init.opcode != "tuple":
+            return set()
+        if comp.name != self.m.entry:
+            return set()
+        return {k for k, o in enumerate(init.operands) if self._from_weights(comp, o) == WEIGHT}
+
+    def _from_weights(self, comp: Computation, name: str, depth: int = 0) -> str | None:
+        """WEIGHT when the entry value `name` is a weight argument or computed only from weight
+        arguments and constants (a relayout, a concatenation of wk and wv that XLA hoisted out of the
+        loop), "constant" when only from constants, else None."""
+        ins = self._source(comp, name)
+        if ins.opcode == "parameter":
+            return WEIGHT if self._is_weight_arg(ins) else None
+        if ins.opcode in ("constant", "iota"):
+            return "constant"
+        if depth > 8 or not ins.operands or ins.opcode in ("while", "conditional", "call", "custom-call", "rng",
+                                                             "rng-bit-generator"):
+            return None
+        kinds = {self._from_weights(comp, o, depth + 1) for o in ins.operands}
+        if None in kinds:
+            return None
+        return WEIGHT if WEIGHT in kinds else "constant"
+
+    def _state_classes(self, body: Computation, init: list | None, weights: set[int] | None = None) -> list[str]:
         param = body.instrs[body.params[0]]
         elems = param.shape if isinstance(param.shape, list) else [param.shape]
         root = body.instrs[body.root]
@@ -429,6 +555,9 @@ class Walker:
             if isinstance(given, str) and given in (WEIGHT, CACHE):
                 out.append(given)
                 continue
+            if init is not None:  # an inner loop: its state is a weight or a cache only if its init is
+                out.append(OTHER)  # (an attention loop's running sums are not a cache, however large)
+                continue
             if isinstance(shape, list):
                 out.append(OTHER)
                 continue
@@ -436,6 +565,13 @@ class Walker:
             invariant = (src is not None and src.opcode == "get-tuple-element" and src.operands == [param.name]
                          and int(src.attr("index")) == i)
             big = shape.nbytes >= self.weight_min
+            if weights is not None and init is None:
+                if invariant and i in weights:
+                    out.append(WEIGHT)
+                    continue
+                if invariant:  # loop-invariant but not a weight argument (masks, tables, prompt state)
+                    out.append(OTHER)
+                    continue
             if invariant and big and init is None:
                 out.append(WEIGHT)
             elif not invariant and big and len(shape.dims) >= 4:
@@ -448,7 +584,7 @@ class Walker:
     def loop_bytes(self, comp: Computation, ins: Instr, init: list | None = None) -> tuple[LoopBytes, list[str]]:
         """One iteration of while `ins` (in `comp`): bytes, and the classes of its state elements."""
         body = self.m.computations[ins.attr("body")]
-        classes = self._state_classes(body, init)
+        classes = self._state_classes(body, init, self.weight_elements(comp, ins) if init is None else None)
         return self.walk(body, {0: classes}, sink=self._cache_sinks(body, classes)), classes
 
     def _cache_sinks(self, body: Computation, classes: list[str]) -> set[str]:
@@ -489,6 +625,8 @@ class Walker:
                     of(ins.operands[0]), list) else None)
                 if trips is None:
                     acc.unknown_trips.append(f"{comp.name}/{name}")
+                elif f"{comp.name}/{name}" in self._bounded:
+                    acc.bounded_trips[f"{comp.name}/{name}"] = trips
                 acc.add(inner, 1 if trips is None else trips)
                 cls[name] = classes
                 continue
@@ -513,7 +651,37 @@ class Walker:
 
     def items_hook(self, acc: LoopBytes, comp: Computation, ins: Instr, nbytes: float) -> None:
         if self.trace:
-            acc.items.append((f"{comp.name}/{ins.name}", ins.opcode, nbytes, 1.0))
+            key = f"{comp.name}/{ins.name}"
+            acc.items.append((key, ins.opcode, nbytes, 1.0))
+            op_name = ins.op_name
+            if not op_name and ins.opcode == "fusion":  # else the fused root's, a dot's or any inside
+                fused = self.m.computations.get(ins.attr("calls"))
+                if fused:
+                    op_name = self._fusion_op_name(fused)
+            if op_name:
+                acc.op_names[key] = op_name
+
+    def _fusion_op_name(self, fused: Computation) -> str:
+        """The op_name of a fused computation: its root's, else that of the first named user of its
+        largest parameter (what reads the big buffer), else a dot's, else any."""
+        root = fused.instrs[fused.root]
+        if root.op_name:
+            return root.op_name
+        users = self._users_of(fused)
+        params = sorted(fused.params.values(), key=lambda n: -hbm_bytes(fused.instrs[n].shape))
+        for p in params[:1]:
+            todo, seen = list(users[p]), set()
+            while todo:
+                u = todo.pop(0)
+                if u in seen:
+                    continue
+                seen.add(u)
+                if fused.instrs[u].op_name:
+                    return fused.instrs[u].op_name
+                todo += users[u]
+        inner = sorted((fused.instrs[n] for n in fused.order),
+                       key=lambda i: i.opcode not in ("dot", "convolution", "custom-call"))
+        return next((i.op_name for i in inner if i.op_name), "")
 
     def _kernel(self, comp, ins: Instr, of, acc: LoopBytes, cls: dict, sink) -> None:
         op = ins.opcode
@@ -556,39 +724,52 @@ class Walker:
             for o in ins.operands:
                 reads.append((of(o), float(hbm_bytes(comp.instrs[o].shape))))
         self.items_hook(acc, comp, ins, sum(b for _, b in reads) + write)
+        split = [0.0, 0.0, 0.0, 0.0]  # weights, kv_reads, cache_writes, other
         for c, b in reads:
             c = c if isinstance(c, str) else OTHER
-            if c == WEIGHT:
-                acc.weights += b
-            elif c == CACHE:
-                acc.kv_reads += b
-            else:
-                acc.other += b
+            split[0 if c == WEIGHT else 1 if c == CACHE else 3] += b
         if out_class == CACHE or ins.name in sink:
-            acc.cache_writes += write
+            split[2] += write
             cls[ins.name] = CACHE
         else:
-            acc.other += write
+            split[3] += write
             cls[ins.name] = out_class if out_class != CACHE else OTHER
+        acc.weights += split[0]
+        acc.kv_reads += split[1]
+        acc.cache_writes += split[2]
+        acc.other += split[3]
+        if self.trace:
+            acc.class_bytes[f"{comp.name}/{ins.name}"] = tuple(split)
 
 
 def find_decode_loop(module: Module) -> Instr:
     """The entry computation's while loop without a known trip count (the decode loop; a layer scan
-    has one); among several, the one whose body has the most instructions."""
+    has one); among several, the one with the most instructions in its body and its inner loops'
+    bodies (XLA:TPU may also leave a prefill layer loop open-ended)."""
     entry = module.computations[module.entry]
     loops = [entry.instrs[n] for n in entry.order if entry.instrs[n].opcode == "while"]
     if not loops:
         raise ValueError("the entry computation has no while loop: compile the whole generation, loop included")
     open_ended = [w for w in loops if "known_trip_count" not in w.attrs] or loops
-    return max(open_ended, key=lambda w: len(module.computations[w.attr("body")].order))
+
+    def size(comp_name: str, depth: int = 0) -> int:  # instructions of a body and of its inner loops' bodies
+        comp = module.computations[comp_name]
+        inner = [comp.instrs[n].attr("body") for n in comp.order if comp.instrs[n].opcode == "while"]
+        return len(comp.order) + (sum(size(b, depth + 1) for b in inner) if depth < 8 else 0)
+
+    return max(open_ended, key=lambda w: size(w.attr("body")))
 
 
-def decode_loop_bytes(hlo_text: str, weight_min_bytes: int = 1 << 20, trace: bool = False) -> LoopBytes:
+def decode_loop_bytes(hlo_text: str, weight_min_bytes: int = 1 << 20, trace: bool = False,
+                      weight_args: tuple[str, ...] | None = None) -> LoopBytes:
     """Bytes and kernels of one round of the decode loop in `compiled.as_text()`; with `trace`, the
-    per-kernel contributions in `.items`."""
+    per-kernel contributions in `.items` (and their op_name metadata in `.op_names`). With
+    `weight_args` (argument names of the jitted function, e.g. ("params",)), weights are the loop
+    state elements that come from those arguments; without, the loop-invariant ones of at least
+    `weight_min_bytes`."""
     module = parse_module(hlo_text)
     loop = find_decode_loop(module)
-    walker = Walker(module, weight_min_bytes, trace)
+    walker = Walker(module, weight_min_bytes, trace, weight_args)
     res, _ = walker.loop_bytes(module.computations[module.entry], loop)
     return res
 
