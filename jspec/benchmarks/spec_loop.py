@@ -33,9 +33,10 @@ from jspec.verify.sampling import SamplingParams
 INNER = 64  # component timings run INNER times inside one compiled fori_loop, so no dispatch cost is counted
 
 
-def _in_loop(step, carry):
-    """A jitted function running `carry = step(carry)` INNER times; time it and divide by INNER."""
-    return jax.jit(lambda c: jax.lax.fori_loop(0, INNER, lambda i, x: step(x), c))
+def _in_loop(step):
+    """A jitted f(weights, carry) running `carry = step(weights, carry)` INNER times; time it and divide
+    by INNER. The weights are arguments, so they are not folded into the program as constants."""
+    return jax.jit(lambda w, c: jax.lax.fori_loop(0, INNER, lambda i, x: step(w, x), c))
 
 
 def main(argv=None) -> None:
@@ -87,24 +88,27 @@ def main(argv=None) -> None:
         dstate = drafter.init(dparams, PrefillInfo(prompt, plen, taps), pcfg.cache_size + width)
         ctx = DraftContext(core.tokens, core.length, core.seeds, params)
 
-        def draft_step(carry):  # the drafted tokens feed the next call, so nothing is optimised away
+        def draft_step(w, carry):  # the drafted tokens feed the next call, so nothing is optimised away
             dstate, acc = carry
-            prop, dstate = drafter.propose(dparams, dstate, dataclasses.replace(ctx, seeds=ctx.seeds + acc[:1]))
+            dp, tp = w
+            c = dataclasses.replace(ctx, seeds=ctx.seeds + acc[:1], target_params=tp)
+            prop, dstate = drafter.propose(dp, dstate, c)
             return dstate, acc + prop.tokens[:, 0].astype(jnp.uint32)
 
-        draft_loop = _in_loop(draft_step, None)
-        draft_t = median_seconds(lambda: draft_loop((dstate, jnp.zeros((1,), jnp.uint32)))[1], repeats=args.repeats) / INNER
+        draft_loop = _in_loop(draft_step)
+        draft_t = median_seconds(lambda: draft_loop((dparams, params), (dstate, jnp.zeros((1,), jnp.uint32)))[1],
+                                 repeats=args.repeats) / INNER
         vt = jnp.zeros((1, width), jnp.int32)
         pos = core.length[:, None] - 1 + jnp.arange(width)[None]
         mask = jnp.broadcast_to(jnp.eye(width, dtype=bool), (1, width, width)) if drafter.kind == "tree" else None
 
-        def verify_step(carry):  # each pass verifies the previous pass's argmax tokens
+        def verify_step(w, carry):  # each pass verifies the previous pass's argmax tokens
             cache, tokens = carry
-            out = transformer.forward(params, cfg, tokens, pos, cache, ctx_len=core.length - 1, tree_mask=mask)
-            return out.cache, jnp.argmax(transformer.logits(params, cfg, out.hidden), axis=-1).astype(jnp.int32)
+            out = transformer.forward(w, cfg, tokens, pos, cache, ctx_len=core.length - 1, tree_mask=mask)
+            return out.cache, jnp.argmax(transformer.logits(w, cfg, out.hidden), axis=-1).astype(jnp.int32)
 
-        verify_loop = _in_loop(verify_step, None)
-        verify_t = median_seconds(lambda: verify_loop((core.cache, vt))[1], repeats=args.repeats) / INNER
+        verify_loop = _in_loop(verify_step)
+        verify_t = median_seconds(lambda: verify_loop(params, (core.cache, vt))[1], repeats=args.repeats) / INNER
         round_t = (total - prefill_t) / rounds
         overhead = (round_t - verify_t - draft_t) / round_t
         print(f"{name:22s} {tau:5.2f} {ar_time / total:7.2f}x {1e3 * round_t:9.3f} {1e3 * verify_t:10.3f} "
