@@ -56,6 +56,7 @@ from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
 from jspec.models import transformer
+from jspec.models.attention import empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 
 _MIB = 1 << 20
@@ -107,21 +108,14 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
         attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values).reshape(b, t, hq * dh)
     else:
         # Online softmax: start from the block's own keys (every slot sees itself), add context chunks.
-        m = jnp.max(block_scores, axis=-1)
-        p = jnp.exp(block_scores - m[..., None])
-        stats = (m, jnp.sum(p, axis=-1),
-                 jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32))
+        pv_spec = "bkgts,bskd->bkgtd"
+        stats = online_softmax_step(empty_softmax_stats(block_scores.shape[:-1], dh), block_scores, vb, pv_spec)
 
         def step(i, carry):
-            m, l, acc = carry
             start = jnp.minimum(i * kv_chunk, s - kv_chunk)
             scores, vals = context(start, kv_chunk)
             scores = jnp.where(start + jnp.arange(kv_chunk) >= i * kv_chunk, scores, -jnp.inf)  # clamped overlap
-            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-            p = jnp.exp(scores - m_new[..., None])
-            alpha = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+            return online_softmax_step(carry, scores, vals, pv_spec)
 
         chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
         _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)

@@ -40,6 +40,24 @@ def num_chunks(ctx_len: jax.Array, cache_rows: jax.Array, size: int, kv_chunk: i
     return jnp.clip(-(-visible_rows(ctx_len, cache_rows) // kv_chunk), 1, -(-size // kv_chunk))
 
 
+def empty_softmax_stats(shape: tuple[int, ...], dh: int):
+    """(running max, running sum, weighted values) of an online softmax over no key yet: shape [..., T]."""
+    return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (dh,), jnp.float32))
+
+
+def online_softmax_step(carry, scores: jax.Array, vals: jax.Array, pv_spec: str):
+    """Fold one chunk into the online-softmax stats: scores [..., T, C] (f32, -inf where unseen), vals
+    the chunk's value rows, combined by the einsum `pv_spec` (probabilities, values -> [..., T, Dh])."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: nothing to rescale
+    p = jnp.exp(scores - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    pv = jnp.einsum(pv_spec, p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+
 def _chunk_mask(rows, positions, cache_rows, ctx_len, new_vis, window):
     """mask [B, T, C] (query sees row) and key_valid [B, C] (some query may see row) for rows [C]."""
     committed = rows[None, :] < ctx_len[:, None]  # [B, C]
@@ -86,15 +104,6 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
         vals = jnp.where(valid[:, None, :, None], vals, 0).astype(q.dtype)
         return scores, vals, jnp.any(mask, axis=-1)
 
-    def accumulate(carry, scores, vals, _):
-        m, l, acc = carry
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: nothing to rescale
-        p = jnp.exp(scores - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-        return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
-
     if kv_chunk is None or s <= kv_chunk:  # one block: normalise before the value matmul, as softmax does
         scores, vals, seen = block(0, s, None)
         probs = jnp.where(seen[:, None, None, :, None], jax.nn.softmax(scores, axis=-1), 0.0)  # sees nothing: 0
@@ -102,12 +111,10 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
         return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
 
     def step(i, carry):
-        start = jnp.minimum(i * kv_chunk, s - kv_chunk)
-        return accumulate(carry, *block(start, kv_chunk, i * kv_chunk))
+        scores, vals, _ = block(jnp.minimum(i * kv_chunk, s - kv_chunk), kv_chunk, i * kv_chunk)
+        return online_softmax_step(carry, scores, vals, "bkgtc,bkcd->bkgtd")
 
-    g = hq // hkv
-    stats = (jnp.full((b, hkv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
-             jnp.zeros((b, hkv, g, t, dh), jnp.float32))
+    stats = empty_softmax_stats((b, hkv, hq // hkv, t), dh)
     m, l, acc = jax.lax.fori_loop(0, num_chunks(ctx_len, cache_rows, s, kv_chunk), step, stats)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [B, Hkv, G, T, Dh]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
