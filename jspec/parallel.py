@@ -10,9 +10,8 @@ The mesh has three named axes (sizes may be 1):
     model  tensor parallel: attention heads, MLP hidden units, the KV cache's head axis
 
 `ShardingRules` is the one table from logical axes to mesh axes. The logical axes of a parameter come
-from its declaration in its model's module (`jspec.models.declare`: dense targets, DFlash / DSpark
-networks, small-LM drafters); `PARAM_AXES` names them by leaf name for the parameters not declared
-through modules yet (hybrid targets), and `CACHE_AXES` names those of the caches:
+from its declaration in its model's module (`jspec.models.declare`: dense and hybrid targets, DFlash /
+DSpark networks, small-LM drafters), and `CACHE_AXES` names those of the caches:
 
     logical axis   mesh axis         used by
     batch          (data, fsdp)      token buffers, per-row state, cache batch axis, training batches
@@ -75,34 +74,9 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-# Logical axes by leaf name for the parameters without a module declaration: the hybrid targets'
-# (attention / MLP leaves stacked, layer axis first). Leaves not listed (recurrent GDN and MoE weights)
-# are replicated.
-_LAYER = "layers"
-PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("embed",),
-    "attn_norm": (_LAYER, "embed"),
-    "mlp_norm": (_LAYER, "embed"),
-    "wq": (_LAYER, "embed", "heads"),
-    "wk": (_LAYER, "embed", "kv_heads"),
-    "wv": (_LAYER, "embed", "kv_heads"),
-    "wo": (_LAYER, "heads", "embed"),
-    "bq": (_LAYER, "heads"),
-    "bk": (_LAYER, "kv_heads"),
-    "bv": (_LAYER, "kv_heads"),
-    "q_norm": (_LAYER, "head_dim"),
-    "k_norm": (_LAYER, "head_dim"),
-    "w_gate": (_LAYER, "embed", "mlp"),
-    "w_up": (_LAYER, "embed", "mlp"),
-    "w_down": (_LAYER, "mlp", "embed"),
-    "b_gate": (_LAYER, "mlp"),
-    "b_up": (_LAYER, "mlp"),
-    "b_down": (_LAYER, "embed"),
-}
-# Caches: one [B, Hkv, S, Dh] buffer per layer (the dense targets' KVCache, a small-LM drafter's cache),
-# stacked [L, B, Hkv, S, Dh] (hybrid targets), [L, B, S, Hkv, Dh] (a DFlash context cache).
+_LAYER = "layers"  # the leading axis of stacked per-layer arrays
+# Caches: one [B, Hkv, S, Dh] buffer per attention layer (the dense targets' KVCache, the hybrid
+# targets' HybridCache K/V, a small-LM drafter's cache), or a stacked [L, B, Hkv, S, Dh] one.
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 # Head-sharded leaves: the dimension holds (heads x head_dim), split only at whole heads.
 _HEAD_DIMS = {"heads", "kv_heads"}
@@ -170,17 +144,14 @@ def param_shardings(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: 
 
     axes: the logical axes of the parameters, a tree like `params` with tuples at its leaves, taken
     from the models' declarations (`jspec.models.declare.logical_axes`); leaves it does not cover (or
-    axes=None) fall back to PARAM_AXES by leaf name."""
+    axes=None) are replicated."""
     declared = {}
     if axes is not None:
         flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]
         declared = {_path_key(path): tuple(ax) for path, ax in flat}
 
     def one(path, leaf):
-        logical = declared.get(_path_key(path))
-        if logical is None:
-            name = str(getattr(path[-1], "key", path[-1])) if path else ""
-            logical = PARAM_AXES.get(name, ())
+        logical = declared.get(_path_key(path), ())
         return NamedSharding(mesh, spec_for(np.shape(leaf), logical, mesh, rules, head_dim))
 
     return jax.tree_util.tree_map_with_path(one, params)
@@ -259,12 +230,12 @@ def active_mesh() -> Mesh | None:
 
 
 def target_axes(cfg):
-    """Logical axes of a target's parameters from its module declarations (None: not declared)."""
-    from jspec.models import transformer
-    from jspec.models.config import ModelConfig
+    """Logical axes of a target's parameters (dense or hybrid) from its module declarations."""
+    from jspec.models import hybrid, transformer
     from jspec.models.declare import logical_axes
 
-    return logical_axes(transformer.declarations(cfg)) if isinstance(cfg, ModelConfig) else None
+    model = hybrid if isinstance(cfg, hybrid.HybridConfig) else transformer
+    return logical_axes(model.declarations(cfg))
 
 
 def place_target(target, mesh: Mesh, rules: ShardingRules = RULES):

@@ -49,7 +49,7 @@ def make_hf_hybrid(family: str, seed: int = 0, **overrides):
     """A tiny random transformers model with a sensitive but well-conditioned init.
 
     Qwen3-Next: MoE (4 experts, top 2, shared expert), layers [GDN, GDN, GDN, attention], untied head.
-    Qwen3.5: dense, layers [GDN, attention] x 2 (two scanned blocks), tied head.
+    Qwen3.5: dense, layers [GDN, attention] x 2, tied head.
     Zero-centred norms get weights around 0 (scale 1 + w), the gated GDN norm around 1. A_log is drawn
     so that states mix several tokens and conv taps are large: otherwise the GDN output is often far
     below sqrt(eps) and the gated norm amplifies float32 rounding past the parity tolerance (the

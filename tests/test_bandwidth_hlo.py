@@ -2,9 +2,12 @@
 
 - No instruction inside a loop of verify passes copies a weight matrix or a cache buffer: layers are
   unrolled over per-layer weights (a slice of a stacked weight is a copy on XLA:CPU and XLA:GPU) and
-  each layer's cache buffer is updated in place.
+  each layer's cache buffer is updated in place. The same for hybrid (Gated DeltaNet) targets, chain
+  and tree verify passes, with their MoE expert stacks.
 - Attention work does not grow with the cache's size at a fixed context: the KV chunk loop runs up to
   the highest valid row, so the compiled pass is the same program whatever `cache_size` is.
+- The tree-attention kernel reads each layer's [B, Hkv, S, Dh] cache buffers as they are: a tree pass
+  with attention="pallas" rearranges no cache buffer into another layout.
 
 The model's dimensions are chosen so that no activation has the shape of a weight or a cache buffer.
 """
@@ -17,7 +20,8 @@ import pytest
 
 from jspec.aot.hlo_bytes import parse_module
 from jspec.decode import profile
-from jspec.models import attention, transformer
+from jspec.decode.spec import ancestor_mask
+from jspec.models import attention, hybrid, transformer
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 
@@ -38,6 +42,20 @@ def _compiled_passes(cache_size: int):
     return params, cache, run.lower(params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32), pos).compile()
 
 
+def _sized_like(module, shapes, *, skip_entry: bool = False):
+    """(computation, instruction, dims) for every array result of the module whose dimensions are those of
+    one of `shapes` in some order (dims: that result's dimensions)."""
+    keys = {tuple(sorted(shape)) for shape in shapes}
+    for comp in module.computations.values():
+        if skip_entry and comp.name == module.entry:
+            continue
+        for name in comp.order:
+            ins = comp.instrs[name]
+            for leaf in ins.shape if isinstance(ins.shape, list) else [ins.shape]:
+                if getattr(leaf, "dims", None) is not None and tuple(sorted(leaf.dims)) in keys:
+                    yield comp, ins, leaf.dims
+
+
 def _in_place(module, ins) -> bool:
     if ins.opcode in PASS_THROUGH:
         return True
@@ -54,24 +72,55 @@ def compiled_1024():
 
 def test_verify_passes_copy_no_weight_and_no_cache_buffer(compiled_1024):
     params, cache, compiled = compiled_1024
-    guarded = {tuple(sorted(x.shape)) for x in jax.tree_util.tree_leaves(params) if x.ndim == 2}
-    guarded |= {tuple(sorted(x.shape)) for x in jax.tree_util.tree_leaves(cache)}
+    guarded = [x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim == 2]
+    guarded += [x.shape for x in jax.tree_util.tree_leaves(cache)]
     module = parse_module(compiled.as_text())
-    offenders, checked = [], 0
+    offenders, checked = set(), set()
     # The entry computation copies the (not donated) arguments once per call, outside the loop.
-    for comp in module.computations.values():
-        if comp.name == module.entry:
-            continue
-        for name in comp.order:
-            ins = comp.instrs[name]
-            leaves = ins.shape if isinstance(ins.shape, list) else [ins.shape]
-            if any(getattr(leaf, "dims", None) is not None and tuple(sorted(leaf.dims)) in guarded
-                   for leaf in leaves):
-                checked += 1
-                if not _in_place(module, ins):
-                    offenders.append(f"{comp.name}: {name} = {ins.opcode} {ins.shape}")
-    assert checked >= 2 * CFG.num_layers, "the check saw none of the per-layer cache updates"
-    assert not offenders, "weight- or cache-sized buffers materialised inside the loop:\n" + "\n".join(offenders)
+    for comp, ins, _ in _sized_like(module, guarded, skip_entry=True):
+        checked.add((comp.name, ins.name))
+        if not _in_place(module, ins):
+            offenders.add(f"{comp.name}: {ins.name} = {ins.opcode} {ins.shape}")
+    assert len(checked) >= 2 * CFG.num_layers, "the check saw none of the per-layer cache updates"
+    listing = "\n".join(sorted(offenders))
+    assert not offenders, "weight- or cache-sized buffers materialised inside the loop:\n" + listing
+
+
+def _relayouts(module, cache_shape) -> list[str]:
+    """Instructions that hold a cache-sized array in another dimension order than the cache's, or
+    transpose one: a rearranged copy of a cache buffer."""
+    return sorted({f"{comp.name}: {ins.name} = {ins.opcode} {ins.shape}"
+                   for comp, ins, dims in _sized_like(module, [cache_shape])
+                   if dims != tuple(cache_shape) or ins.opcode == "transpose"})
+
+
+def test_tree_kernel_reads_the_cache_in_its_layout():
+    """A tree verify pass through `transformer.forward(..., attention="pallas")` (the TPU kernel,
+    interpreted on CPU) hands the kernel each layer's [B, Hkv, S, Dh] buffers as they are: nowhere in the
+    optimized HLO is a cache-sized array transposed or held in another dimension order (a rows-major
+    [B, S, Hkv, Dh] view of the cache would be a transpose and a copy per layer per pass).
+
+    This HLO does hold copies of the cache in its own shape: the interpreter's, which carries every
+    kernel operand through its loop over the grid and writes each block back, so XLA copies the
+    loop-carried buffers. Compiled for TPU / GPU the kernel is one custom call reading them in place.
+    The control at the end: the same check flags a swapaxes of the cache into the rows-major view."""
+    size = 1024  # two of the kernel's 512-row tiles
+    params = transformer.init_params(CFG, jax.random.key(0))
+    cache = tm.init_cache(CFG, BATCH, size)
+    parent = jnp.broadcast_to(jnp.array([-1, 0, 0, 1]), (BATCH, WIDTH - 1))  # of nodes 1.. (-1: the root)
+    depth = jnp.array([0, 1, 2, 2, 3])
+    ctx_len = jnp.full((BATCH,), CONTEXT, jnp.int32)
+    kw = dict(ctx_len=ctx_len, cache_rows=CONTEXT + jnp.arange(WIDTH)[None].repeat(BATCH, 0),
+              tree_mask=ancestor_mask(parent), attention="pallas")
+    pos = CONTEXT + depth[None].repeat(BATCH, 0)
+    run = jax.jit(lambda p, c, t: transformer.forward(p, CFG, t, pos, c, **kw))
+    module = parse_module(run.lower(params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32)).compile().as_text())
+    cache_shape = cache.k[0].shape
+    relayouts = _relayouts(module, cache_shape)
+    assert not relayouts, "cache buffers rearranged in the tree pass:\n" + "\n".join(relayouts)
+
+    rows_major = jax.jit(lambda k: jnp.swapaxes(k, 1, 2).reshape(BATCH, size, -1) * 2)
+    assert _relayouts(parse_module(rows_major.lower(cache.k[0]).compile().as_text()), cache_shape)
 
 
 def test_attention_work_does_not_grow_with_cache_size(compiled_1024):
@@ -126,3 +175,98 @@ def test_the_flax_module_costs_nothing_in_the_compiled_pass():
         return sorted(ops)
 
     assert program(through_module) == program(direct)
+
+
+# --- hybrid (Gated DeltaNet) targets ---------------------------------------------------------------
+
+# GDN and attention layers, MoE and dense MLPs (layer 1), sized so that no activation has the shape of
+# a weight, an expert stack or a K/V buffer.
+HCFG = hybrid.HybridConfig(
+    family="qwen3_next", vocab_size=96, hidden_size=36, num_layers=4,
+    layer_types=("linear_attention", "full_attention") * 2, num_heads=4, num_kv_heads=2, head_dim=12,
+    partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+    linear_value_head_dim=10, linear_conv_kernel_dim=4, intermediate_size=44, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=14, shared_expert_intermediate_size=18, mlp_only_layers=(1,))
+
+
+def _hybrid_inputs(cache_size: int):
+    params = hybrid.init_params(HCFG, jax.random.key(0))
+    cache = tm.init_cache(HCFG, BATCH, cache_size)
+    pos = jnp.broadcast_to(CONTEXT + jnp.arange(WIDTH, dtype=jnp.int32), (BATCH, WIDTH))
+    return params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32), pos
+
+
+def _hybrid_tree_passes():
+    """A loop of tree verify passes like the speculative loop's, [anchor, 4 nodes] per row, each pass
+    committing the state of its last node; and the nodes' positions."""
+    nodes = jnp.broadcast_to(jnp.array([-1, 0, 0, 1]), (BATCH, WIDTH - 1))  # parents of nodes 1.. (-1: the anchor)
+    parent = jnp.concatenate([jnp.full((BATCH, 1), -1), nodes + 1], axis=1)
+    rows = CONTEXT + jnp.arange(WIDTH)[None].repeat(BATCH, 0)
+    kw = dict(ctx_len=jnp.full((BATCH,), CONTEXT, jnp.int32), cache_rows=rows, tree_mask=ancestor_mask(nodes),
+              parent=parent, keep_states=True)
+
+    def passes(params, cache, tokens, pos):
+        def step(_, carry):
+            cache, tokens = carry
+            hidden, cache, _, states = tm.forward(params, HCFG, tokens, pos, cache, **kw)
+            cache = tm.commit_states(HCFG, cache, states, jnp.full((BATCH,), WIDTH - 1), jnp.ones((BATCH,), bool))
+            return cache, jnp.argmax(tm.logits(params, HCFG, hidden), axis=-1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, 4, step, (cache, tokens))[1]
+
+    depth = jnp.array([0, 1, 2, 2, 3])
+    return jax.jit(passes), CONTEXT + depth[None].repeat(BATCH, 0)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_hybrid_verify_passes_copy_no_weight_and_no_cache_buffer(kind):
+    """The check above on a hybrid target: inside a loop of verify passes (keep_states=True; chains: the
+    profiler's loop, trees: with each pass's commit) no weight matrix, expert stack or K/V buffer is
+    copied, per-layer weights and caches passed as arguments.
+
+    The recurrent states are not guarded: the recurrence computes a new [B, HV, dk, dv] state per token
+    (work, not a copy), and the commit gathers one of the pass's per-position states."""
+    params, cache, tokens, pos = _hybrid_inputs(1024)
+    if kind == "chain":
+        run = profile._timed_passes(HCFG)
+    else:
+        run, pos = _hybrid_tree_passes()
+    module = parse_module(run.lower(params, cache, tokens, pos).compile().as_text())
+    guarded = [x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim >= 2]
+    guarded += [x.shape for x in cache.k + cache.v]
+    offenders, checked = set(), set()
+    for comp, ins, _ in _sized_like(module, guarded, skip_entry=True):
+        checked.add((comp.name, ins.name))
+        if not _in_place(module, ins):
+            offenders.add(f"{comp.name}: {ins.name} = {ins.opcode} {ins.shape}")
+    assert len(checked) >= 2 * HCFG.counts["attn"], "the check saw none of the per-layer K/V updates"
+    assert not offenders, "weight- or cache-sized buffers materialised in the loop:\n" + "\n".join(sorted(offenders))
+
+
+def _ops(fn, *args) -> list[tuple[str, str]]:
+    """(result type, opcode) of every instruction of fn's optimized CPU program, sorted."""
+    import re
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return sorted(re.findall(r"^\s*(?:ROOT )?%\S+ = (\S+) (\w[\w-]*)\(", text, flags=re.M))
+
+
+def test_the_hybrid_flax_module_costs_nothing_in_the_compiled_pass():
+    """`hybrid.forward` applies the linen module; its optimized verify pass equals the one of the layer
+    functions called directly on the same parameter pytree and per-layer caches."""
+    params, cache, tokens, pos = _hybrid_inputs(512)
+    ps = hybrid.PassInputs(pos, pos, pos[:, 0], None, None, None, jnp.asarray(hybrid.rope_inv_freq(HCFG)),
+                           keep_states=True, gdn_impl="recurrent", chunk_size=64)
+
+    def direct(p, c, t):
+        h = p["embed"][t]
+        states = {hybrid.FULL: list(zip(c.k, c.v)), hybrid.LINEAR: list(zip(c.conv, c.ssm))}
+        for i, (lp, j) in enumerate(zip(p["layers"], HCFG.slots)):
+            kind = HCFG.layer_types[i]
+            h, states[kind][j], _ = hybrid._layer(HCFG, i, lp, h, states[kind][j], ps)
+        return hybrid.zc_rms_norm(h, p["final_norm"], HCFG.rms_norm_eps)
+
+    def through_module(p, c, t):
+        return hybrid.forward(p, HCFG, t, pos, c, keep_states=True).hidden
+
+    assert _ops(through_module, params, cache, tokens) == _ops(direct, params, cache, tokens)

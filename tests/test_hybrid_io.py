@@ -125,8 +125,8 @@ def test_config_round_trip_and_layer_pattern_rules():
     cfg = H.HybridConfig.from_hf_dict(hf)
     assert cfg.layer_types == (H.LINEAR,) * 3 + (H.FULL,) + (H.LINEAR,) * 3 + (H.FULL,)
     assert cfg.mlp_types == ("moe", "dense") + ("moe",) * 6
-    assert len(cfg.block) == 8  # mlp_only_layers breaks the 4-layer period
-    assert loaded("qwen3_5")[0].block == (("gdn", "mlp"), ("attn", "mlp"))
+    assert cfg.slots == (0, 1, 2, 0, 3, 4, 5, 1)  # each layer's index into the cache's per-kind tuples
+    assert loaded("qwen3_5")[0].slots == (0, 0, 1, 1)
     with pytest.raises(ValueError, match="unsupported architecture.*qwen3_moe"):
         H.HybridConfig.from_hf_dict({**hf, "model_type": "qwen3_moe"})
     with pytest.raises(ValueError, match="must be a multiple of linear_num_key_heads"):
@@ -150,7 +150,7 @@ def test_init_params_has_the_loader_layout(tmp_path):
     assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(params)
     for a, b in zip(jax.tree_util.tree_leaves(fresh), jax.tree_util.tree_leaves(params)):
         assert a.shape == b.shape and a.dtype == b.dtype
-    assert float(jnp.abs(fresh["norms"]["in_norm"]).max()) == 0  # zero-centred norms start at scale 1
+    assert all(float(jnp.abs(lp["in_norm"]).max()) == 0 for lp in fresh["layers"])  # zero-centred: scale 1
     save_hybrid_params(str(tmp_path), cfg, fresh)
     _, back = load_hybrid_params(str(tmp_path))
     for a, b in zip(jax.tree_util.tree_leaves(fresh), jax.tree_util.tree_leaves(back)):
@@ -160,7 +160,7 @@ def test_init_params_has_the_loader_layout(tmp_path):
 def test_moe_gathered_and_dense_expert_paths_agree():
     """Decoding gathers each token's experts, prefill runs all of them: the same function."""
     cfg, params = loaded("qwen3_next")
-    lp = jax.tree_util.tree_map(lambda a: a[0], params["moe"])
+    lp = params["layers"][0]
     x = jnp.asarray(np.random.RandomState(0).randn(1, 1, cfg.hidden_size), jnp.float32)
     moe = jax.jit(H._moe, static_argnums=0)
     gathered = moe(cfg, lp, x)  # 1 token x top-2 < 4 experts: gather path

@@ -3,6 +3,8 @@ the accepted tokens, for chains and for trees (each node continues from its pare
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +35,10 @@ def test_chain_commit_then_continue_equals_decoding_only_the_accepted_tokens():
     # The verify pass leaves the committed recurrent state alone and returns one state per token.
     np.testing.assert_array_equal(np.asarray(out.cache.ssm), np.asarray(cache.ssm))
     np.testing.assert_array_equal(np.asarray(out.cache.conv), np.asarray(cache.conv))
-    assert out.states.ssm.shape == (cfg.counts["gdn"], 2, 6, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                    cfg.linear_value_head_dim)
-    assert out.states.ssm.dtype == jnp.float32
+    assert len(out.states.ssm) == len(out.states.conv) == cfg.counts["gdn"]  # one entry per GDN layer
+    for ssm in out.states.ssm:
+        assert ssm.shape == (2, 6, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        assert ssm.dtype == jnp.float32
     ref, _ = full_pass(cfg, params, [_seq(x, r, lengths[r], block[r]) for r in range(2)])
     for r in range(2):
         np.testing.assert_allclose(lg_v[r], ref[r, lengths[r] : lengths[r] + 6], atol=ATOL, rtol=0)
@@ -95,9 +98,8 @@ def test_tree_nodes_follow_their_root_paths_and_commit():
     rows = np.arange(2)[:, None]
     src = np.array([lengths[r] + np.array(paths[r]) for r in range(2)])
     dst = lengths[:, None] + np.arange(src.shape[1])[None]
-    committed = H.HybridCache(out.cache.k.at[:, rows, :, dst].set(out.cache.k[:, rows, :, src]),
-                              out.cache.v.at[:, rows, :, dst].set(out.cache.v[:, rows, :, src]),
-                              out.cache.conv, out.cache.ssm)
+    move = lambda x: x.at[rows, :, dst].set(x[rows, :, src])  # each attention layer's [B, Hkv, S, Dh] buffer
+    committed = dataclasses.replace(out.cache, k=tuple(map(move, out.cache.k)), v=tuple(map(move, out.cache.v)))
     committed = H.commit_states(committed, out.states, jnp.array([5, 5]))
     cont = ids(2, 4, seed=10)
     start = lengths + src.shape[1]
@@ -110,11 +112,12 @@ def test_tree_nodes_follow_their_root_paths_and_commit():
 def test_reset_recurrent_zeroes_only_the_given_rows():
     cfg, _ = loaded(FAMILY)
     cache = H.HybridCache.zeros(cfg, 3, 8)
-    cache = H.HybridCache(cache.k + 1, cache.v + 1, cache.conv + 1, cache.ssm + 1)
+    cache = jax.tree_util.tree_map(lambda x: x + 1, cache)
     out = H.reset_recurrent(cache, jnp.array([False, True, False]))
-    assert float(out.ssm[:, 1].max()) == 0 and float(out.conv[:, 1].max()) == 0
-    assert float(out.ssm[:, 0].min()) == 1 and float(out.conv[:, 2].min()) == 1
-    np.testing.assert_array_equal(np.asarray(out.k), np.asarray(cache.k))
+    for state in out.ssm + out.conv:
+        assert float(state[1].max()) == 0 and float(state[0].min()) == 1 and float(state[2].min()) == 1
+    for a, b in zip(out.k + out.v, cache.k + cache.v, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,9 @@ def test_per_position_state_bytes_for_a_qwen3_next_80b_shaped_model():
     cache = jax.eval_shape(lambda: H.HybridCache.zeros(cfg, 1, 64, jnp.bfloat16))
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     out = jax.eval_shape(lambda p, c, t: H.forward(p, cfg, t, t, c, keep_states=True), params, cache, tokens)
-    assert out.states.conv.shape == (36, 1, 16, 3, 8192) and out.states.conv.dtype == jnp.bfloat16
-    assert out.states.ssm.shape == (36, 1, 16, 32, 128, 128) and out.states.ssm.dtype == jnp.float32
-    per_layer_row = (out.states.conv.size * 2 + out.states.ssm.size * 4) // 36
+    assert len(out.states.conv) == len(out.states.ssm) == 36
+    conv, ssm = out.states.conv[0], out.states.ssm[0]
+    assert conv.shape == (1, 16, 3, 8192) and conv.dtype == jnp.bfloat16
+    assert ssm.shape == (1, 16, 32, 128, 128) and ssm.dtype == jnp.float32
+    per_layer_row = conv.size * 2 + ssm.size * 4
     assert per_layer_row == 34_340_864  # 16 x (2 MiB of S + 48 KiB of window): 32.75 MiB

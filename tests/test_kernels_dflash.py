@@ -81,3 +81,12 @@ def test_tree_verify_with_the_attention_kernel_equals_plain_decoding(setup):
     base = jspec.generate(target, PROMPTS, **kw)
     res = jspec.generate(target, PROMPTS, drafter="lookup", tree_budget=6, verifier="gumbel", kernels="pallas", **kw)
     assert res.tokens == base.tokens
+
+
+def test_chain_verify_with_the_attention_kernel_equals_plain_decoding(setup):
+    target = setup[0]
+    kw = dict(max_new_tokens=12, sampling=SamplingParams(1.0), seeds=[1, 2, 3], eos_ids=[])
+    base = jspec.generate(target, PROMPTS, **kw)
+    res = jspec.generate(target, PROMPTS, drafter="lookup", verifier="gumbel", kernels="pallas", **kw)
+    assert res.tokens == base.tokens
+    assert res.stats["rounds"] < sum(len(t) for t in base.tokens)  # drafts were accepted

@@ -31,13 +31,16 @@ def test_kernels_lower_for_the_device_backends(platform, impl, block, dtype, hea
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True)
     lp = jax.tree_util.tree_map(lambda shape: S(shape, dtype), transformer.param_shapes(cfg)["layers"][0],
                                 is_leaf=lambda x: isinstance(x, tuple))
-    cache = S((2, 4000, kv_heads, head_dim), dtype)  # not a multiple of the 512-row tile
+    # 4000 rows: not a multiple of the 512-row tile. The draft layer's context cache is rows-major, the
+    # target's KV cache (read by tree attention) heads-major.
+    ctx_cache = S((2, 4000, kv_heads, head_dim), dtype)
+    kv_cache = S((2, kv_heads, 4000, head_dim), dtype)
     i32 = lambda *shape: S(shape, jnp.int32)
     nodes = 40  # two bitmask words
     draft = jax.jit(lambda *a: draft_layer(*a, cfg, impl=impl, interpret=False))
     tree = jax.jit(lambda *a: tree_attention(*a, impl=impl, interpret=False))
-    draft_args = (S((2, 1, block, hidden), dtype), lp, cache, cache, i32(2, 1), i32())
-    tree_args = (S((2, nodes, heads, head_dim), dtype), cache, cache, S((2, nodes, kv_heads, head_dim), dtype),
+    draft_args = (S((2, 1, block, hidden), dtype), lp, ctx_cache, ctx_cache, i32(2, 1), i32())
+    tree_args = (S((2, nodes, heads, head_dim), dtype), kv_cache, kv_cache, S((2, nodes, kv_heads, head_dim), dtype),
                  S((2, nodes, kv_heads, head_dim), dtype), i32(2, nodes), i32(2), i32(2, nodes, 2), i32())
     mesh = TPU if platform == "tpu" else jax.sharding.AbstractMesh((), ())
     with jax.sharding.use_abstract_mesh(mesh):

@@ -45,15 +45,16 @@ def random_tree(key, batch: int, nodes: int):
 
 
 def tree_inputs(t, heads, kv_heads, dtype, head_dim=16, seed=0):
-    """[root ; t - 1 nodes] of a random tree per row, over a cache with CTX_LEN committed rows."""
+    """[root ; t - 1 nodes] of a random tree per row, over a [B, Hkv, S, Dh] cache with CTX_LEN committed
+    rows."""
     keys = jax.random.split(jax.random.key(seed), 6)
     b = len(CTX_LEN)
     ctx_len = jnp.asarray(CTX_LEN, jnp.int32)
     parent, depth = random_tree(keys[0], b, t - 1)
     positions = ctx_len[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth], axis=1)
     bits = pack_bits(ancestor_mask(parent))
-    junk = (jnp.arange(CACHE)[None, :] >= ctx_len[:, None])[:, :, None, None]
-    cache = lambda k: jnp.where(junk, jnp.nan, jax.random.normal(k, (b, CACHE, kv_heads, head_dim))).astype(dtype)
+    junk = (jnp.arange(CACHE)[None, :] >= ctx_len[:, None])[:, None, :, None]
+    cache = lambda k: jnp.where(junk, jnp.nan, jax.random.normal(k, (b, kv_heads, CACHE, head_dim))).astype(dtype)
     new = lambda k, h: jax.random.normal(k, (b, t, h, head_dim), dtype)
     return (new(keys[1], heads), cache(keys[2]), cache(keys[3]), new(keys[4], kv_heads), new(keys[5], kv_heads),
             positions, ctx_len, bits)
@@ -119,3 +120,32 @@ def test_forward_with_the_tree_kernel_equals_the_reference_forward():
     assert_close(got.hidden, want.hidden, jnp.float32)
     # The second layer's keys come from the first layer's output; the unwritten rows stay NaN in both.
     np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), rtol=1e-5, atol=1e-5)
+
+
+def test_chain_and_decode_passes_with_the_kernel_equal_the_reference_forward():
+    """Without a tree mask, attention="pallas" runs passes of up to KERNEL_MAX_TOKENS tokens (decode and
+    chain verification) through the kernel with the causal mask; rows at different lengths, a sliding
+    layer, NaN past the prompt. A longer pass (prefill) takes the reference path."""
+    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, sliding_window=4,
+                      layer_types=("sliding_attention", "full_attention"))
+    params = transformer.init_params(cfg, jax.random.key(0), std=0.2)
+    prompt = jax.random.randint(jax.random.key(1), (2, 36), 0, 64)
+    cache = transformer.KVCache.zeros(cfg, 2, 48)
+    nan_tail = lambda layers: tuple(x.at[:, :, 36:].set(jnp.nan) for x in layers)
+    cache = dataclasses.replace(cache, k=nan_tail(cache.k), v=nan_tail(cache.v))
+    cache = transformer.forward(params, cfg, prompt, jnp.broadcast_to(jnp.arange(36), (2, 36)), cache).cache
+    for width in (1, 5):
+        tokens = jax.random.randint(jax.random.key(width), (2, width), 0, 64)
+        positions = jnp.array([[9], [30]]) + jnp.arange(width)[None]  # rows at lengths 9 and 30
+        run = jax.jit(lambda attention: transformer.forward(params, cfg, tokens, positions, cache,
+                                                            attention=attention), static_argnums=0)
+        want, got = run("reference"), run("pallas")
+        assert_close(got.hidden, want.hidden, jnp.float32)
+    long = jnp.zeros((1, transformer.KERNEL_MAX_TOKENS + 1), jnp.int32)
+    prefill = lambda attention: jax.make_jaxpr(lambda t: transformer.forward(
+        params, cfg, t, jnp.arange(t.shape[1])[None], transformer.KVCache.zeros(cfg, 1, 80),
+        attention=attention).hidden)(long)
+    assert "pallas_call" not in str(prefill("pallas"))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda: transformer.forward(params, cfg, tokens, positions, cache,
+                                                                          attention="pallas").hidden)())

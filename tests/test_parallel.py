@@ -100,10 +100,11 @@ def test_rules_table_on_an_abstract_mesh():
     specs = jax.tree_util.tree_map(lambda s: s.spec, parallel.param_shardings(params, mesh, head_dim=cfg.head_dim,
                                                                               axes=axes))
     layers = specs["layers"][1]
-    assert layers["wq"] == P("fsdp", "model")  # 4 query heads over model = 4
-    assert layers["wk"] == P("fsdp", None)  # 2 KV heads do not split 4 ways: replicated
-    assert layers["wo"] == P("model", "fsdp")
-    assert layers["w_gate"] == P("fsdp", "model") and layers["w_down"] == P("model", "fsdp")
+    # Matrices [out, in]:
+    assert layers["wq"] == P("model", "fsdp")  # 4 query heads over model = 4
+    assert layers["wk"] == P(None, "fsdp")  # 2 KV heads do not split 4 ways: replicated
+    assert layers["wo"] == P("fsdp", "model")
+    assert layers["w_gate"] == P("model", "fsdp") and layers["w_down"] == P("fsdp", "model")
     assert layers["q_norm"] == P(None)
     assert specs["embed"] == P(None, "fsdp")  # vocab replicated by default
     vocab_sharded = parallel.ShardingRules(vocab="model")
@@ -114,8 +115,36 @@ def test_rules_table_on_an_abstract_mesh():
     assert parallel.cache_sharding(mesh, (8, 4, 32, 16)).spec == P(("data", "fsdp"), "model", None, None)
     assert parallel.cache_sharding(mesh, (3, 8, 4, 32, 16)).spec == P(None, ("data", "fsdp"), "model", None, None)
     # Whole heads only: 2 heads of 16 (32 columns) do not split over model = 4 although 32 % 4 == 0.
-    assert parallel.spec_for((3, 64, 32), parallel.PARAM_AXES["wk"], mesh, head_dim=16) == P(None, "fsdp", None)
-    assert parallel.spec_for((3, 64, 32), parallel.PARAM_AXES["wk"], mesh) == P(None, "fsdp", "model")
+    wk_axes = axes["layers"][0]["wk"]
+    assert parallel.spec_for((32, 64), wk_axes, mesh, head_dim=16) == P(None, "fsdp")
+    assert parallel.spec_for((32, 64), wk_axes, mesh) == P("model", "fsdp")
+
+
+def test_hybrid_target_axes_come_from_its_declarations():
+    import jax
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+    from jspec import parallel
+    from jspec.models import hybrid
+
+    cfg = hybrid.HybridConfig(
+        family="qwen3_next", vocab_size=64, hidden_size=32, num_layers=2,
+        layer_types=("linear_attention", "full_attention"), num_heads=4, num_kv_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    params = jax.eval_shape(lambda: hybrid.init_params(cfg, jax.random.key(0)))
+    mesh = AbstractMesh((1, 2, 4), parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    axes = parallel.target_axes(cfg)
+    per_leaf = jax.tree_util.tree_map(lambda _: 0, axes, is_leaf=lambda x: isinstance(x, tuple))
+    assert jax.tree_util.tree_structure(per_leaf) == jax.tree_util.tree_structure(params)  # every leaf declared
+    specs = jax.tree_util.tree_map(lambda s: s.spec, parallel.param_shardings(params, mesh, head_dim=16, axes=axes))
+    gdn_layer, attn_layer = specs["layers"]
+    assert attn_layer["wq"] == P("fsdp", "model") and attn_layer["wo"] == P("model", "fsdp")
+    assert attn_layer["wk"] == P("fsdp", None)  # 2 KV heads over model = 4: replicated
+    # GDN and expert weights: the hidden dimension over fsdp, the rest replicated.
+    assert gdn_layer["w_qkv"] == P("fsdp", None) and gdn_layer["conv"] == P(None, None)
+    assert gdn_layer["e_gate"] == P(None, "fsdp", None) and gdn_layer["router"] == P("fsdp", None)
 
 
 def test_mesh_arguments_are_checked():
@@ -227,8 +256,8 @@ def _eight_devices(out_dir: str) -> None:
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree_util.tree_leaves(single.state.params), jax.tree_util.tree_leaves(multi.state.params)))
     trained_wq = multi.state.params["layers"][0]["wq"].sharding.spec
-    results.update(cache_ok=cache_ok, tokens_ok=tokens_ok, wq_ok=wq_spec == P(None, "model"), train_diff=diff,
-                   trained_wq=str(trained_wq), trained_ok=trained_wq == P("fsdp", "model"))
+    results.update(cache_ok=cache_ok, tokens_ok=tokens_ok, wq_ok=wq_spec == P("model", None), train_diff=diff,
+                   trained_wq=str(trained_wq), trained_ok=trained_wq == P("model", "fsdp"))
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(results, f)
 

@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --aot: batch 1, context 4k, greedy only (chain, tree, AR: 3 compiles)")
     x.add_argument("--aot-shape", help="with --aot: a shape of jspec.aot.bench.shapes() instead of --shape "
                                        "(e.g. tiny, a 4-layer model for tests)")
+    x.add_argument("--aot-kernels", choices=["reference", "pallas"],
+                   help="with --aot: the loops' attention and draft-layer implementation (default reference; "
+                        "pallas: the Pallas kernels of jspec.kernels, compiled for the chip)")
     x.add_argument("--json", help="with --aot: write the table's rows to this JSON file")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="folder for bench.json and the PNG plots (default bench_out)")
@@ -115,7 +118,7 @@ def aot_main(args) -> int:
     from jspec.aot import bench
 
     selected = bench.cases(**(bench.QUICK if args.aot_quick else {}))
-    rows = bench.run(chip, shape, selected, json_path=args.json)
+    rows = bench.run(chip, shape, selected, json_path=args.json, kernels=args.aot_kernels or "reference")
     return 0 if rows else 1
 
 
@@ -175,8 +178,8 @@ def command_line(args) -> str:
 def main(args) -> int:
     if getattr(args, "aot", None):
         return aot_main(args)
-    if getattr(args, "aot_quick", False) or getattr(args, "aot_shape", None) or getattr(args, "json", None):
-        raise SystemExit("--aot-quick, --aot-shape and --json go with --aot CHIP")
+    if any(getattr(args, k, None) for k in ("aot_quick", "aot_shape", "aot_kernels", "json")):
+        raise SystemExit("--aot-quick, --aot-shape, --aot-kernels and --json go with --aot CHIP")
     from jspec.bench.run import run_bench
 
     cfg = config_from_args(args)

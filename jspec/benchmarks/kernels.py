@@ -57,7 +57,7 @@ def draft_inputs(cfg, block: int, context: int, dtype):
 def tree_inputs(cfg, nodes: int, context: int, dtype):
     keys = jax.random.split(jax.random.key(1), 6)
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kv = (1, context + 64, hkv, dh)
+    kv = (1, hkv, context + 64, dh)  # heads-major, as the target's KV cache
     parent = jnp.arange(nodes) - 1  # a chain: every node sees all earlier ones
     mask = (jnp.arange(nodes)[None, :] <= jnp.arange(nodes)[:, None])[None]
     return (jax.random.normal(keys[0], (1, nodes, hq, dh), dtype), jax.random.normal(keys[1], kv, dtype),
@@ -79,17 +79,18 @@ def aot_case(kernel: str, impl: str, dtype, *, context: int = AOT_CONTEXT, batch
     cfg = ModelConfig(**AOT_CFG)
     sds = jax.ShapeDtypeStruct
     i32 = lambda *shape: sds(shape, jnp.int32)
-    cache = sds((batch, context, cfg.num_kv_heads, cfg.head_dim), dtype)
     if kernel == "draft":
         lp = jax.tree_util.tree_map(lambda shape: sds(shape, dtype), transformer.layer_shapes(cfg),
                                     is_leaf=lambda x: isinstance(x, tuple))
-        args = (sds((batch, 1, AOT_BLOCK, cfg.hidden_size), dtype), lp, cache, cache, i32(batch, 1), i32())
+        ctx = sds((batch, context, cfg.num_kv_heads, cfg.head_dim), dtype)  # the drafter's context cache
+        args = (sds((batch, 1, AOT_BLOCK, cfg.hidden_size), dtype), lp, ctx, ctx, i32(batch, 1), i32())
         if impl == "reference":
             call = lambda *a: ref_draft_layer(*a, cfg)
         else:
             call = lambda *a: draft_layer(*a, cfg, impl=impl, interpret=False)
     elif kernel == "tree":
         t, hq, hkv, dh = AOT_NODES, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cache = sds((batch, hkv, context, dh), dtype)  # heads-major, as the target's KV cache
         args = (sds((batch, t, hq, dh), dtype), cache, cache, sds((batch, t, hkv, dh), dtype),
                 sds((batch, t, hkv, dh), dtype), i32(batch, t), i32(batch), i32(batch, t, -(-t // 32)), i32())
         if impl == "reference":

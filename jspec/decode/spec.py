@@ -49,7 +49,7 @@ class SpecConfig:
     decode: ar.DecodeConfig
     verifier: str = "greedy"
     sps: tuple[float, ...] | None = None
-    attention: str = "reference"  # tree verify passes: "reference" | "pallas" | "auto" (jspec.kernels)
+    attention: str = "reference"  # verify passes: "reference" | "pallas" | "auto" (transformer.forward)
 
 
 @jax.tree_util.register_dataclass
@@ -103,12 +103,12 @@ def width_buckets(g: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(g.bit_length()) if (1 << i) < g} | {g}))
 
 
-def _verify_pass(params, cfg, drafter, core, vt):
+def _verify_pass(params, cfg, drafter, scfg, core, vt):
     """Target forward over vt [B, w+1] = [anchor, drafts] at positions length - 1 + i; keeps the
     recurrent state after every token (hybrid targets) for the commit."""
     positions = core.length[:, None] - 1 + jnp.arange(vt.shape[1])[None]
     hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps,
-                                             keep_states=True)
+                                             keep_states=True, attention=scfg.attention)
     return tm.logits(params, cfg, hidden), cache, taps, states
 
 
@@ -124,7 +124,7 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
 
         def at_width(w):
             def run(cache):
-                logits, cache, taps, states = _verify_pass(params, cfg, drafter,
+                logits, cache, taps, states = _verify_pass(params, cfg, drafter, scfg,
                                                            dataclasses.replace(core, cache=cache), vt[:, : w + 1])
                 pad = g - w  # rows past the bucket: never read, since every row's length <= w
                 logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
@@ -135,7 +135,7 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
         branch = jnp.searchsorted(jnp.asarray(buckets), jnp.max(lengths))
         logits, cache, taps, states = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
     else:
-        logits, cache, taps, states = _verify_pass(params, cfg, drafter, core, vt)
+        logits, cache, taps, states = _verify_pass(params, cfg, drafter, scfg, core, vt)
     logp = served_logprobs(logits, scfg.decode.sampling)
     rule = CHAIN_RULES[scfg.verifier]
     if scfg.verifier == "greedy":

@@ -75,7 +75,7 @@ class DFlashConfig:
 
 
 class DFlashNet(nn.Module):
-    """The DFlash network's parameters, declared once (`jspec.models.declare`): fc [n*H, H],
+    """The DFlash network's parameters, declared once (`jspec.models.declare`): fc [H, n*H],
     hidden_norm [H], norm [H] and the Qwen3 layer stack `layers` (no embedding / head: the target's are
     shared). z-lab tensor names: `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.*`.
     The computation is the pure functions below (`context_kv`, `draft_blocks`) over these parameters."""
@@ -87,7 +87,7 @@ class DFlashNet(nn.Module):
     def setup(self):
         h, n = self.cfg.hidden_size, len(self.cfg.target_layer_ids)
         decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
-        self.fc = decl("fc", (n * h, h), ("taps", "embed"), "normal", "fc.weight", transpose=True)
+        self.fc = decl("fc", (h, n * h), ("embed", "taps"), "normal", "fc.weight")
         self.hidden_norm = decl("hidden_norm", (h,), ("embed",), "ones", "hidden_norm.weight")
         self.norm = decl("norm", (h,), ("embed",), "ones", "norm.weight")
         self.layers = transformer.LayerStack(self.cfg.layers, "layers.", self.init_std, self.param_dtype, name="layers")
@@ -103,7 +103,8 @@ def declarations(cfg: DFlashConfig, dtype=jnp.float32) -> dict:
 
 
 def param_shapes(cfg: DFlashConfig) -> dict:
-    """fc [n*H, H], hidden_norm [H], norm [H], layers: per-layer transformer dicts (no embedding / head)."""
+    """fc [H, n*H] ([out, in], as every matrix of the layers), hidden_norm [H], norm [H], layers:
+    per-layer transformer dicts (no embedding / head)."""
     return shapes(declarations(cfg))
 
 
@@ -115,7 +116,8 @@ def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32, std: float
 def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
     """H_ctx [B, T, H] from taps [n, B, T, H]."""
     x = jnp.concatenate(list(taps), axis=-1)
-    return transformer.rms_norm(x @ params["fc"], params["hidden_norm"], cfg.layers.rms_norm_eps)
+    fused = transformer.linear(x, params["fc"])
+    return transformer.rms_norm(fused, params["hidden_norm"], cfg.layers.rms_norm_eps)
 
 
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
@@ -126,9 +128,9 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
     inv_freq = jnp.asarray(default_rope_inv_freq(lc))
 
     def one(lp):
-        k = (h_ctx @ lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+        k = transformer.linear(h_ctx, lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
         k = transformer.rope(transformer.rms_norm(k, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
-        v = (h_ctx @ lp["wv"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+        v = transformer.linear(h_ctx, lp["wv"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
         return k, v
 
     ks, vs = zip(*(one(lp) for lp in params["layers"]))

@@ -102,7 +102,7 @@ class DSparkNet(DFlashNet):
         h, v = c.backbone.hidden_size, c.backbone.layers.vocab_size
         decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
         self.embed = decl("embed", (v, h), ("vocab", "embed"), "normal", "embed_tokens.weight")
-        self.lm_head = decl("lm_head", (h, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+        self.lm_head = decl("lm_head", (v, h), ("vocab", "embed"), "normal", "lm_head.weight")
         if c.markov_rank:
             self.markov = _MarkovHead(c, self.init_std, self.param_dtype, name="markov")
         if c.confidence_head:
@@ -134,7 +134,7 @@ def init_params(cfg: DSparkConfig, key: jax.Array, target_params: dict, dtype=jn
                                                     key))["params"])
     embed = target_params["embed"]
     params["embed"] = embed.astype(dtype)
-    params["lm_head"] = target_params.get("lm_head", embed.T).astype(dtype)
+    params["lm_head"] = target_params.get("lm_head", embed).astype(dtype)
     return params
 
 
@@ -177,7 +177,7 @@ class DSpark(DFlash):
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
         hidden = draft_block(dparams, self.cfg, dparams["embed"], state.k, state.v, anchor, anchor_pos,
                              kernels=self.kernels)
-        unary = jnp.einsum("bgh,hv->bgv", hidden, dparams["lm_head"], preferred_element_type=jnp.float32)
+        unary = jnp.einsum("bgh,vh->bgv", hidden, dparams["lm_head"], preferred_element_type=jnp.float32)
         return hidden, unary, anchor
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):

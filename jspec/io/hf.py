@@ -1,6 +1,7 @@
 """Strict loading and export of Hugging Face Llama / Qwen3 checkpoints (safetensors).
 
-HF stores matrices [out, in]; jspec stores them [in, out], one dict per layer.
+jspec stores the matrices as HF does, [out, in], one dict per layer, so loading is a plain read (the
+declarations' `transpose` flag remains for tensors stored the other way).
 Loading never falls back to random values: every missing, unexpected or misshapen tensor is
 collected and reported in one `CheckpointError`.
 """

@@ -7,6 +7,8 @@ out_proj}` plus Qwen3-Next's grouped `in_proj_qkvz, in_proj_ba` or Qwen3.5's fla
 in_proj_z, in_proj_b, in_proj_a`, dense `mlp.{gate,up,down}_proj`, MoE `mlp.gate`,
 `mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`; `lm_head`.
 
+The tensor names, shapes and orientations come from the parameter declarations of
+`jspec.models.hybrid` (one per jspec leaf; the layouts the loader converts are listed below).
 Loading never falls back to random values: every missing, unexpected or misshapen tensor is named in
 one `CheckpointError`, with a hint when the layer pattern disagrees with config.json. Known extras
 that the text model does not use are skipped, as transformers skips them: `mtp.*` (the multi-token
@@ -25,62 +27,55 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jspec.io.hf import check_tensors, read_safetensors
-from jspec.models.hybrid import FULL, HybridConfig, load_hybrid_config, param_shapes
+from jspec.io.hf import check_tensors, np_dtype, read_safetensors
+from jspec.models.declare import Declared
+from jspec.models.hybrid import HybridConfig, declarations, load_hybrid_config
 
 KNOWN_EXTRAS = ("mtp.", "model.visual.")
 
+# The checkpoint names of the declarations (`jspec.models.hybrid`) are read here, with three layouts
+# beyond "[out, in], transposed" that the loader converts:
+# - "{e}" in a name: one tensor per expert, stacked in jspec on a leading expert axis;
+# - conv1d.weight: HF's Conv1d weight [C, 1, K] (jspec: conv [K, C]);
+# - several declarations naming one tensor (Qwen3-Next's in_proj_qkvz, in_proj_ba): their rows,
+#   grouped per key head in the checkpoint (`_split_grouped`).
 
-def _layer_shapes(cfg: HybridConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """HF name (below `layers.{i}.`) -> HF shape, for layer i."""
-    d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
-    out = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
-    if cfg.layer_types[i] == FULL:
-        out.update({"self_attn.q_proj.weight": (hq * 2 * dh, d), "self_attn.k_proj.weight": (hkv * dh, d),
-                    "self_attn.v_proj.weight": (hkv * dh, d), "self_attn.o_proj.weight": (d, hq * dh),
-                    "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)})
-    else:
-        la = "linear_attn."
-        if cfg.family == "qwen3_next":
-            out.update({la + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, d),
-                        la + "in_proj_ba.weight": (2 * hv, d)})
-        else:
-            out.update({la + "in_proj_qkv.weight": (cfg.conv_dim, d), la + "in_proj_z.weight": (hv * dv, d),
-                        la + "in_proj_b.weight": (hv, d), la + "in_proj_a.weight": (hv, d)})
-        out.update({la + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), la + "dt_bias": (hv,),
-                    la + "A_log": (hv,), la + "norm.weight": (dv,), la + "out_proj.weight": (d, hv * dv)})
-    if cfg.mlp_types[i] == "moe":
-        fe, fs = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        out["mlp.gate.weight"] = (cfg.num_experts, d)
-        for e in range(cfg.num_experts):
-            out.update({f"mlp.experts.{e}.gate_proj.weight": (fe, d), f"mlp.experts.{e}.up_proj.weight": (fe, d),
-                        f"mlp.experts.{e}.down_proj.weight": (d, fe)})
-        out.update({"mlp.shared_expert.gate_proj.weight": (fs, d), "mlp.shared_expert.up_proj.weight": (fs, d),
-                    "mlp.shared_expert.down_proj.weight": (d, fs), "mlp.shared_expert_gate.weight": (1, d)})
-    else:
-        f = cfg.intermediate_size
-        out.update({"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)})
-    return out
+
+def _rename(name: str, prefix: str) -> str:
+    """A declared name (under `model.`) under the checkpoint's prefix."""
+    return prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+def _is_conv(name: str) -> bool:
+    return name.endswith("conv1d.weight")
+
+
+def _hf_shape(decl: Declared) -> tuple[int, ...]:
+    """Shape of the checkpoint tensor (of one expert's) that one declaration reads."""
+    shape = tuple(decl.value.shape[1:] if "{e}" in decl.hf else decl.value.shape)
+    shape = tuple(reversed(shape)) if decl.transpose else shape
+    return (shape[0], 1, shape[1]) if _is_conv(decl.hf) else shape
+
+
+def _declared(cfg: HybridConfig) -> list[dict[str, Declared]]:
+    """The declarations as dicts: the top-level parameters, then one dict per layer."""
+    top = declarations(cfg)
+    return [{k: d for k, d in top.items() if k != "layers"}, *top["layers"]]
 
 
 def expected_tensors(cfg: HybridConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the config implies -> its HF shape."""
-    out = {f"{prefix}embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
-           f"{prefix}norm.weight": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    for i in range(cfg.num_layers):
-        out.update({f"{prefix}layers.{i}.{k}": s for k, s in _layer_shapes(cfg, i).items()})
+    """Every HF tensor name the config implies -> its HF shape (`prefix` in place of `model.`)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for group in _declared(cfg):
+        for decl in group.values():
+            name, shape = _rename(decl.hf, prefix), _hf_shape(decl)
+            if "{e}" in name:
+                out.update({name.format(e=e): shape for e in range(cfg.num_experts)})
+            elif name in out:  # a grouped tensor: the declarations' rows together
+                out[name] = (out[name][0] + shape[0],) + shape[1:]
+            else:
+                out[name] = shape
     return out
-
-
-def _stack_index(cfg: HybridConfig, i: int) -> tuple[int, int]:
-    """Index of layer i within its mixer stack and within its MLP stack."""
-    mixer = cfg.layer_types[i]
-    mlp = cfg.mlp_types[i]
-    return cfg.layer_types[:i].count(mixer), cfg.mlp_types[:i].count(mlp)
 
 
 def _split_grouped(cfg: HybridConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
@@ -105,69 +100,43 @@ def _join_grouped(cfg: HybridConfig, qkv: np.ndarray, z: np.ndarray, b: np.ndarr
     return qkvz, ba
 
 
-def _layer_to_jspec(cfg: HybridConfig, i: int, get) -> dict[tuple[str, str], np.ndarray]:
-    """HF tensors of layer i (get(name below layers.{i}.)) -> {(group, key): jspec array}."""
-    out = {("norms", "in_norm"): get("input_layernorm.weight"),
-           ("norms", "mlp_norm"): get("post_attention_layernorm.weight")}
-    if cfg.layer_types[i] == FULL:
-        sa = "self_attn."
-        out.update({("attn", "wq"): get(sa + "q_proj.weight").T, ("attn", "wk"): get(sa + "k_proj.weight").T,
-                    ("attn", "wv"): get(sa + "v_proj.weight").T, ("attn", "wo"): get(sa + "o_proj.weight").T,
-                    ("attn", "q_norm"): get(sa + "q_norm.weight"), ("attn", "k_norm"): get(sa + "k_norm.weight")})
-    else:
-        la = "linear_attn."
-        if cfg.family == "qwen3_next":
-            p = _split_grouped(cfg, get(la + "in_proj_qkvz.weight"), get(la + "in_proj_ba.weight"))
-        else:
-            p = {n: get(f"{la}in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")}
-        out.update({("gdn", f"w_{n}"): p[n].T for n in ("qkv", "z", "b", "a")})
-        out.update({("gdn", "conv"): get(la + "conv1d.weight")[:, 0, :].T, ("gdn", "dt_bias"): get(la + "dt_bias"),
-                    ("gdn", "A_log"): get(la + "A_log"), ("gdn", "norm"): get(la + "norm.weight"),
-                    ("gdn", "w_out"): get(la + "out_proj.weight").T})
-    if cfg.mlp_types[i] == "moe":
-        e = cfg.num_experts
-        experts = lambda n: np.stack([get(f"mlp.experts.{x}.{n}.weight").T for x in range(e)])
-        se = "mlp.shared_expert."
-        out.update({("moe", "router"): get("mlp.gate.weight").T, ("moe", "e_gate"): experts("gate_proj"),
-                    ("moe", "e_up"): experts("up_proj"), ("moe", "e_down"): experts("down_proj"),
-                    ("moe", "s_gate"): get(se + "gate_proj.weight").T, ("moe", "s_up"): get(se + "up_proj.weight").T,
-                    ("moe", "s_down"): get(se + "down_proj.weight").T,
-                    ("moe", "shared_gate"): get("mlp.shared_expert_gate.weight").T})
-    else:
-        out.update({("mlp", f"w_{n}"): get(f"mlp.{n}_proj.weight").T for n in ("gate", "up", "down")})
+def _grouped(group: dict[str, Declared]) -> bool:
+    return "w_qkv" in group and group["w_qkv"].hf == group["w_z"].hf
+
+
+def _to_jspec(cfg: HybridConfig, group: dict[str, Declared], get) -> dict[str, np.ndarray]:
+    """The jspec arrays of one dict of declarations from the checkpoint tensors `get(name)`."""
+    out = {}
+    if _grouped(group):
+        rows = _split_grouped(cfg, get(group["w_qkv"].hf), get(group["w_b"].hf))
+        out = {f"w_{n}": rows[n].T for n in rows}
+    for key, decl in group.items():
+        if key in out:
+            continue
+        if "{e}" in decl.hf:
+            arr = np.stack([get(decl.hf.format(e=e)) for e in range(cfg.num_experts)])
+            out[key] = arr.swapaxes(1, 2) if decl.transpose else arr
+            continue
+        arr = get(decl.hf)
+        arr = arr[:, 0] if _is_conv(decl.hf) else arr
+        out[key] = arr.T if decl.transpose else arr
     return out
 
 
-def _layer_to_hf(cfg: HybridConfig, i: int, params: dict) -> dict[str, np.ndarray]:
-    """jspec parameters of layer i -> {HF name below layers.{i}.: array}."""
-    jm, jf = _stack_index(cfg, i)
-    host = lambda group, key, j: np.asarray(jax.device_get(params[group][key][j]))
-    out = {"input_layernorm.weight": host("norms", "in_norm", i),
-           "post_attention_layernorm.weight": host("norms", "mlp_norm", i)}
-    if cfg.layer_types[i] == FULL:
-        sa = "self_attn."
-        out.update({sa + f"{n}_proj.weight": host("attn", f"w{n}", jm).T for n in ("q", "k", "v", "o")})
-        out.update({sa + "q_norm.weight": host("attn", "q_norm", jm), sa + "k_norm.weight": host("attn", "k_norm", jm)})
-    else:
-        la = "linear_attn."
-        flat = {n: host("gdn", f"w_{n}", jm).T for n in ("qkv", "z", "b", "a")}
-        if cfg.family == "qwen3_next":
-            out[la + "in_proj_qkvz.weight"], out[la + "in_proj_ba.weight"] = _join_grouped(cfg, **flat)
-        else:
-            out.update({f"{la}in_proj_{n}.weight": flat[n] for n in flat})
-        out.update({la + "conv1d.weight": host("gdn", "conv", jm).T[:, None, :],
-                    la + "dt_bias": host("gdn", "dt_bias", jm),
-                    la + "A_log": host("gdn", "A_log", jm), la + "norm.weight": host("gdn", "norm", jm),
-                    la + "out_proj.weight": host("gdn", "w_out", jm).T})
-    if cfg.mlp_types[i] == "moe":
-        out["mlp.gate.weight"] = host("moe", "router", jf).T
-        for n in ("gate", "up", "down"):
-            w = host("moe", f"e_{n}", jf)
-            out.update({f"mlp.experts.{e}.{n}_proj.weight": w[e].T for e in range(cfg.num_experts)})
-            out[f"mlp.shared_expert.{n}_proj.weight"] = host("moe", f"s_{n}", jf).T
-        out["mlp.shared_expert_gate.weight"] = host("moe", "shared_gate", jf).T
-    else:
-        out.update({f"mlp.{n}_proj.weight": host("mlp", f"w_{n}", jf).T for n in ("gate", "up", "down")})
+def _to_hf(cfg: HybridConfig, group: dict[str, Declared], params: dict) -> dict[str, np.ndarray]:
+    """Inverse of `_to_jspec`: checkpoint name -> array, from the jspec arrays `params` of the group."""
+    host = {key: np.asarray(jax.device_get(params[key])) for key in group}
+    out = {}
+    if _grouped(group):
+        qkvz, ba = _join_grouped(cfg, *(host.pop(f"w_{n}").T for n in ("qkv", "z", "b", "a")))
+        out = {group["w_qkv"].hf: qkvz, group["w_b"].hf: ba}
+    for key, arr in host.items():
+        decl = group[key]
+        if "{e}" in decl.hf:
+            out.update({decl.hf.format(e=e): arr[e].T if decl.transpose else arr[e] for e in range(len(arr))})
+            continue
+        arr = arr.T if decl.transpose else arr
+        out[decl.hf] = arr[:, None] if _is_conv(decl.hf) else arr
     return out
 
 
@@ -195,7 +164,6 @@ def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | No
     pattern, head counts or conv kernel disagree with the tensors fails here, before any compute).
     """
     cfg = cfg or load_hybrid_config(model_dir)
-    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
     found = {n: t for n, t in read_safetensors(model_dir).items() if not n.startswith(KNOWN_EXTRAS)}
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in found) else "model."
     expected = expected_tensors(cfg, prefix)
@@ -208,32 +176,21 @@ def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | No
                   "point at the matching checkpoint, or correct layer_types / head counts / linear_conv_kernel_dim "
                   "in config.json", allowed, hints)
 
-    shapes = param_shapes(cfg)
-    host = {k: (np.empty(s, np_dtype) if isinstance(s, tuple) else {kk: np.empty(ss, np_dtype) for kk, ss in s.items()})
-            for k, s in shapes.items()}
-    host["embed"][...] = found[prefix + "embed_tokens.weight"]
-    host["final_norm"][...] = found[prefix + "norm.weight"]
-    if not cfg.tie_word_embeddings:
-        host["lm_head"][...] = found["lm_head.weight"].T
-    for i in range(cfg.num_layers):
-        jm, jf = _stack_index(cfg, i)
-        get = lambda name, base=f"{prefix}layers.{i}.": np.asarray(found[base + name])
-        for (group, key), arr in _layer_to_jspec(cfg, i, get).items():
-            j = i if group == "norms" else jm if group in ("attn", "gdn") else jf
-            host[group][key][j] = arr
-    return cfg, jax.tree_util.tree_map(jnp.asarray, host)
+    dt = np_dtype(dtype)
+    get = lambda name: np.asarray(found[_rename(name, prefix)])
+    top, *layers = (
+        {k: jnp.asarray(a.astype(dt)) for k, a in _to_jspec(cfg, group, get).items()} for group in _declared(cfg))
+    return cfg, {**top, "layers": layers}
 
 
 def save_hybrid_params(model_dir: str, cfg: HybridConfig, params: dict, dtype=None) -> None:
     """Write `config.json` + `model.safetensors` that transformers loads (AutoModelForCausalLM)."""
     os.makedirs(model_dir, exist_ok=True)
-    top = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
-    if not cfg.tie_word_embeddings:
-        top["lm_head.weight"] = params["lm_head"].T
-    tensors = {n: np.asarray(jax.device_get(a)) for n, a in top.items()}
-    for i in range(cfg.num_layers):
-        tensors.update({f"model.layers.{i}.{n}": a for n, a in _layer_to_hf(cfg, i, params).items()})
-    cast = None if dtype is None else ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+    top, *layers = _declared(cfg)
+    tensors = _to_hf(cfg, top, params)
+    for group, lp in zip(layers, params["layers"], strict=True):
+        tensors.update(_to_hf(cfg, group, lp))
+    cast = None if dtype is None else np_dtype(dtype)
     tensors = {n: np.ascontiguousarray(a if cast is None else a.astype(cast)) for n, a in tensors.items()}
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()

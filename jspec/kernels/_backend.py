@@ -12,6 +12,16 @@ KERNELS = ("reference", "pallas", "auto")
 IMPLS = ("tpu", "portable")
 
 
+def compile_backend() -> str:
+    """The platform programs are compiled for: that of the default device when one is set (a
+    deviceless compile for a TPU or an H200 sets a compile-only device of that chip, while
+    `jax.default_backend()` stays "cpu"), else `jax.default_backend()`."""
+    device = jax.config.jax_default_device
+    platform = getattr(device, "platform", None) if device is not None and not isinstance(device, str) else device
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    return platform or jax.default_backend()
+
+
 def resolve(kernels: str, backend: str | None = None) -> str:
     """"reference" or "pallas" for a flag value; "auto" is the fastest correct choice for the backend:
     the Pallas kernels on TPU and GPU, the jnp reference on CPU (where kernels only run interpreted)."""
@@ -19,7 +29,7 @@ def resolve(kernels: str, backend: str | None = None) -> str:
         raise ValueError(f"unknown kernels setting {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels != "auto":
         return kernels
-    return "pallas" if (backend or jax.default_backend()) in ("tpu", "gpu") else "reference"
+    return "pallas" if (backend or compile_backend()) in ("tpu", "gpu") else "reference"
 
 
 def use_pallas(kernels: str) -> bool:
@@ -38,7 +48,7 @@ def pallas_setup(impl: str | None, interpret: Any) -> tuple[str, Any]:
     kernel would need `plgpu.kernel` with explicit SMEM staging and wgmma, a different program per
     kernel). On CPU both run interpreted: `interpret=pltpu.InterpretParams()` simulates TPU memory
     (NaN-filled scratch, bounds-checked block reads)."""
-    backend = jax.default_backend()
+    backend = compile_backend()
     if impl is None:
         impl = "portable" if backend == "gpu" else "tpu"
     if impl not in IMPLS:
@@ -186,10 +196,10 @@ def gpu_tiles(itemsize: int) -> GpuTiles:
     """bf16 / f16: K chunks of 128, cache steps of 64 rows; float32: half of both (the same bytes).
 
     Shared memory per program at these sizes (Triton stages both dot operands, `stages` deep):
-    projection / down-projection: rows x k_chunk + k_chunk x cols = (64x128 + 128x64) x 2 B = 32 KiB
-    per stage, 96 KiB at 3 stages; gate+up (two weight tiles): 48 KiB per stage, 144 KiB; attention:
-    q [<=64, 128] + K, V tiles [64, 128] = 48 KiB per stage, 144 KiB. float32 halves k_chunk and
-    kv_rows, so the bytes stay the same: all within H200's 227 KiB."""
+    projection / down-projection: rows x k_chunk + cols x k_chunk (the weight tile, stored [out, in]) =
+    (64x128 + 64x128) x 2 B = 32 KiB per stage, 96 KiB at 3 stages; gate+up (two weight tiles): 48 KiB
+    per stage, 144 KiB; attention: q [<=64, 128] + K, V tiles [64, 128] = 48 KiB per stage, 144 KiB.
+    float32 halves k_chunk and kv_rows, so the bytes stay the same: all within H200's 227 KiB."""
     if itemsize >= 4:
         return GpuTiles(k_chunk=64, kv_rows=32)
     return GpuTiles()

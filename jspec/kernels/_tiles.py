@@ -55,7 +55,8 @@ def mm(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [M, K] @ b[N, K].T accumulated in float32 (scores without materialising a transpose)."""
+    """a [M, K] @ b [N, K].T accumulated in float32, without materialising a transpose: scores against
+    keys [N, Dh], and projections by a weight tile stored [out, in] (as `transformer.linear`)."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 

@@ -2,18 +2,23 @@
 
 TPU (Mosaic), a chain of two kernels per layer, intermediates kept on chip. bf16 operands feed the MXU
 at default precision with float32 accumulation (`preferred_element_type`); tile sizes per generation
-come from `jspec.kernels._backend.TPU_TILES` (bytes per tile stated there).
-Kernel 1 (attention half), grid (query block, KV-head group, context tile); the group's weight columns
-(wq / wk / wv [D, group heads x Dh], wo rows) are one block per group, fetched once per group while the
-context streams tile by tile (at Qwen3-8B shape, bf16, one KV head per step: 4 + 1 + 1 + 4 MiB = 10
-MiB of weights per step, 20 MiB double-buffered, plus 2 x 2 x 512 KiB of K/V tiles):
+come from `jspec.kernels._backend.TPU_TILES` (bytes per tile stated there). Both backends read every
+weight as stored, [out, in]: a block or tile of a matrix is a range of its output rows (for wo and
+w_down in the TPU kernels, of its input columns), and each product contracts the in-dimension, the
+last of both operands (`_tiles.mm_nt`), so no weight is transposed in memory (Mosaic latches such a
+tile into the MXU in its transposed mode: as many weight loads as an [in, out] tile, no transpose op).
+Kernel 1 (attention half), grid (query block, KV-head group, context tile); the group's weight rows
+(wq / wk / wv [group heads x Dh, D]) and wo columns ([D, group heads x Dh]) are one block per group,
+fetched once per group while the context streams tile by tile (at Qwen3-8B shape, bf16, one KV head
+per step: 4 + 1 + 1 + 4 MiB = 10 MiB of weights per step, 20 MiB double-buffered, plus 2 x 2 x 512
+KiB of K/V tiles):
     input RMSNorm -> q / k / v projections of the block -> q_norm / k_norm -> RoPE -> attention of
     the block over [context K/V rows < anchor (sliding layers: the per-slot window) ; block K/V
     (bidirectional)] by online softmax, the context streamed tile by tile -> o_proj -> residual add.
     Block Q/K/V, scores and the running softmax never leave VMEM; the o_proj partial sums of the
     head groups accumulate in VMEM and the residual is written once.
 Kernel 2 (MLP half), grid (row tile, F tile), the intermediate dimension F streamed in tiles of
-    block_f columns (gate / up [D, block_f], down [block_f, D]: 12 MiB per step at block_f 512, bf16):
+    block_f (gate / up rows [block_f, D], down columns [D, block_f]: 12 MiB per step at 512, bf16):
     post-attention RMSNorm -> SwiGLU (gate / up tile) -> down-projection accumulated in VMEM -> residual.
 
 GPU (Triton lowering of `pallas_call`, impl "portable"), a chain of five kernels with every block a
@@ -29,9 +34,10 @@ The [rows, F] activations and q / k / v / attention outputs are the only interme
 
 `ref_draft_layer` is the specification: exactly one layer of `jspec.drafters.dflash.draft_blocks`.
 Shapes: h [B, A, W, D] (A blocks of W slots per row; block a sits at positions anchor_pos[b, a] + i),
-one layer's parameters lp (wq [D, Hq*Dh], wk / wv [D, Hkv*Dh], wo [Hq*Dh, D], q_norm / k_norm [Dh],
-attn_norm / mlp_norm [D], w_gate / w_up [D, F], w_down [F, D]), the layer's context cache
-ctx_k / ctx_v [B, S, Hkv, Dh] (row = position), anchor_pos [B, A], window: int32 scalar (0 = full).
+one layer's parameters lp (matrices stored [out, in], as `transformer.linear` applies them:
+wq [Hq*Dh, D], wk / wv [Hkv*Dh, D], wo [D, Hq*Dh], w_gate / w_up [F, D], w_down [D, F]; q_norm / k_norm
+[Dh], attn_norm / mlp_norm [D]), the layer's context cache ctx_k / ctx_v [B, S, Hkv, Dh] (row =
+position), anchor_pos [B, A], window: int32 scalar (0 = full).
 Context row j is visible to slot i of a block anchored at p iff j < p and (window == 0 or
 j > p + i - window); rows >= p are never read into the result. Block slots see each other without a
 window. `draft_layer` runs the kernels under a `custom_vjp` whose backward pass is the reference's,
@@ -56,6 +62,7 @@ from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
 from jspec.models import transformer
+from jspec.models.transformer import linear
 from jspec.models.attention import empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 
@@ -80,9 +87,9 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
     s = ctx_k.shape[1]
 
     x = transformer.rms_norm(h, lp["attn_norm"], eps)
-    q = (x @ lp["wq"]).reshape(b, t, hq, dh)
-    kb = (x @ lp["wk"]).reshape(b, t, hkv, dh)
-    vb = (x @ lp["wv"]).reshape(b, t, hkv, dh)
+    q = linear(x, lp["wq"]).reshape(b, t, hq, dh)
+    kb = linear(x, lp["wk"]).reshape(b, t, hkv, dh)
+    vb = linear(x, lp["wv"]).reshape(b, t, hkv, dh)
     q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
     kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], eps), positions, inv_freq)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
@@ -120,9 +127,9 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
         chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
         _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
         attn = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype).reshape(b, t, hq * dh)
-    h = h + attn @ lp["wo"]
+    h = h + linear(attn, lp["wo"])
     x = transformer.rms_norm(h, lp["mlp_norm"], eps)
-    h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+    h = h + linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
     return h.reshape(b, a, w, -1)
 
 
@@ -145,9 +152,10 @@ def draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, *, im
     impl / interpret: see `jspec.kernels.pallas_setup`. block_k: context rows per tile (TPU: a multiple
     of 8, default the generation's `ctx_rows`; GPU: rounded down to a power of two, default 64 rows for
     bf16, 32 for float32; S need not be a multiple). kv_heads: KV heads per grid step on TPU (default:
-    the fewest whose lanes are a multiple of 128). block_f: MLP intermediate columns per step on TPU
-    (must divide F; default the largest multiple of 128 dividing F whose gate + up + down tiles fit the
-    generation's `mlp_step_bytes`). block_rows: MLP rows per program on TPU."""
+    the fewest whose lanes are a multiple of 128). block_f: MLP intermediate units per step on TPU
+    (rows of w_gate / w_up, columns of w_down; must divide F; default the largest multiple of 128
+    dividing F whose gate + up + down tiles fit the generation's `mlp_step_bytes`). block_rows: MLP
+    rows per program on TPU."""
     impl, interpret = pallas_setup(impl, interpret)
     opts = _Options(cfg, impl, interpret, block_k, kv_heads, block_f, block_rows)
     return _fused(opts, h, lp, ctx_k, ctx_v, jnp.asarray(anchor_pos, jnp.int32), jnp.asarray(window, jnp.int32))
@@ -188,7 +196,7 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
     cfg = opts.cfg
     b, a, w, d = h.shape
     s, hkv, dh = ctx_k.shape[1], cfg.num_kv_heads, cfg.head_dim
-    f = lp["w_gate"].shape[1]
+    f = lp["w_gate"].shape[0]
     if opts.impl == "portable" and not opts.interpret:
         require_pow2(head_dim=dh)
         if min(pow2_divisor(n, 16) for n in (d, f, cfg.num_heads * dh)) < 16:
@@ -234,22 +242,23 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
 
 
 def mlp_f_tile(d: int, f: int, itemsize: int, step_bytes: int) -> int:
-    """MLP intermediate columns per TPU grid step: the largest multiple of 128 dividing f whose gate, up
-    and down tiles (3 x d x block_f x itemsize bytes) fit step_bytes; f itself when no multiple of 128
-    divides it."""
+    """MLP intermediate units per TPU grid step (rows of w_gate / w_up, columns of w_down): the largest
+    multiple of 128 dividing f whose gate, up and down tiles (3 x d x block_f x itemsize bytes) fit
+    step_bytes; f itself when no multiple of 128 divides it (w_down's tile has block_f lanes)."""
     cap = max(128, step_bytes // (3 * d * itemsize))
     return largest_divisor_tile(f, cap, 128)
 
 
 def _project(x, wq_ref, wk_ref, wv_ref, qn, kn, cos, sin, rot, c: int, group: int, dh: int, eps: float, dt):
-    """Block K, V [Wp, Dh] of KV head c and the queries [Wp, Dh] of its group's heads (a list)."""
-    cols = slice(c * dh, (c + 1) * dh)
-    k = _tiles.rope(_tiles.rms_norm(_tiles.mm(x, wk_ref[:, cols]).astype(dt), kn, eps), cos, sin, rot)
-    v = _tiles.mm(x, wv_ref[:, cols]).astype(dt)
+    """Block K, V [Wp, Dh] of KV head c and the queries [Wp, Dh] of its group's heads (a list); each head
+    is a [Dh, D] row range of the step's weight blocks."""
+    rows = slice(c * dh, (c + 1) * dh)
+    k = _tiles.rope(_tiles.rms_norm(_tiles.mm_nt(x, wk_ref[rows, :]).astype(dt), kn, eps), cos, sin, rot)
+    v = _tiles.mm_nt(x, wv_ref[rows, :]).astype(dt)
     qs = []
     for g in range(group):
         head = slice((c * group + g) * dh, (c * group + g + 1) * dh)
-        qs.append(_tiles.rope(_tiles.rms_norm(_tiles.mm(x, wq_ref[:, head]).astype(dt), qn, eps), cos, sin, rot))
+        qs.append(_tiles.rope(_tiles.rms_norm(_tiles.mm_nt(x, wq_ref[head, :]).astype(dt), qn, eps), cos, sin, rot))
     return qs, k, v
 
 
@@ -305,7 +314,7 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
             o = _tiles.finish(l, acc).astype(dt)
             for gi in range(group):
                 head = c * group + gi
-                o_s[...] += _tiles.mm(o[gi * wp:(gi + 1) * wp], wo_ref[head * dh:(head + 1) * dh, :])
+                o_s[...] += _tiles.mm_nt(o[gi * wp:(gi + 1) * wp], wo_ref[:, head * dh:(head + 1) * dh])
 
         @pl.when(g == num_groups - 1)
         def _residual():
@@ -333,10 +342,10 @@ def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k,
         pl.BlockSpec((1, dh), fixed),
         pl.BlockSpec((1, dh), fixed),
         pl.BlockSpec((dh, dh), fixed),
-        pl.BlockSpec((d, hk * group * dh), lambda i, g, j, *_: (0, g)),
-        pl.BlockSpec((d, hk * dh), lambda i, g, j, *_: (0, g)),
-        pl.BlockSpec((d, hk * dh), lambda i, g, j, *_: (0, g)),
-        pl.BlockSpec((hk * group * dh, d), lambda i, g, j, *_: (g, 0)),
+        pl.BlockSpec((hk * group * dh, d), lambda i, g, j, *_: (g, 0)),  # wq / wk / wv: the group's rows
+        pl.BlockSpec((hk * dh, d), lambda i, g, j, *_: (g, 0)),
+        pl.BlockSpec((hk * dh, d), lambda i, g, j, *_: (g, 0)),
+        pl.BlockSpec((d, hk * group * dh), lambda i, g, j, *_: (0, g)),  # wo: the group's input columns
         pl.BlockSpec((None, block_k, hk * dh), ctx_map),
         pl.BlockSpec((None, block_k, hk * dh), ctx_map),
     ]
@@ -351,8 +360,8 @@ def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k,
         pltpu.VMEM((wp, d), jnp.float32),
     ]
     # Double-buffered blocks plus scratch. At Qwen3-8B shape, bf16, hk 1: h / out 2 x 128 KiB, weights
-    # 4096 x 1280 x 2 B = 10 MiB, K + V tiles 2 x 512 KiB (2048 rows): 2 x 11.3 MiB + 0.6 MiB of scratch.
-    blocks = [(2 * wp, d, hp.dtype), (d, hk * (2 * group + 2) * dh, wq.dtype), (2 * block_k, hk * dh, kc.dtype)]
+    # 1280 x 4096 x 2 B = 10 MiB, K + V tiles 2 x 512 KiB (2048 rows): 2 x 11.3 MiB + 0.6 MiB of scratch.
+    blocks = [(2 * wp, d, hp.dtype), (hk * (2 * group + 2) * dh, d, wq.dtype), (2 * block_k, hk * dh, kc.dtype)]
     scratch_bytes = 4 * (hk * group * wp * (dh + 2 * _tiles.STAT_LANES) + 2 * wp * d)
     need = sum(2 * r * c * jnp.dtype(t).itemsize for r, c, t in blocks) + scratch_bytes
     kernel = functools.partial(_attn_tpu_kernel, hk=hk, group=group, dh=dh, wp=wp, w=w, eps=cfg.rms_norm_eps,
@@ -386,18 +395,19 @@ def _row_norm_scale(x_ref, chunk: int, eps: float):
 
 
 def _normed_matmul(x_ref, n_ref, inv, w_refs, chunk: int):
-    """[rms_norm(x) @ w for w in w_refs] in float32 [R, N], the norm (as `_tiles.rms_norm`: scale in
-    float32, cast back, times the gain) applied chunk by chunk inside the K loop over D."""
+    """[rms_norm(x) @ w.T for w in w_refs] (each w [N, D], stored [out, in]) in float32 [R, N], the norm
+    (as `_tiles.rms_norm`: scale in float32, cast back, times the gain) applied chunk by chunk inside
+    the K loop over D."""
     d = x_ref.shape[1]
 
     def step(c, accs):
         cols = pl.ds(c * chunk, chunk)
         x = x_ref[:, cols]
         x = n_ref[:, cols] * (x.astype(jnp.float32) * inv).astype(x.dtype)
-        return tuple(acc + _tiles.mm(x.astype(jnp.result_type(x.dtype, w.dtype)), w[cols, :])
+        return tuple(acc + _tiles.mm_nt(x.astype(jnp.result_type(x.dtype, w.dtype)), w[:, cols])
                      for acc, w in zip(accs, w_refs))
 
-    zeros = tuple(jnp.zeros((x_ref.shape[0], w.shape[1]), jnp.float32) for w in w_refs)
+    zeros = tuple(jnp.zeros((x_ref.shape[0], w.shape[0]), jnp.float32) for w in w_refs)
     return lax.fori_loop(0, d // chunk, step, zeros)
 
 
@@ -453,12 +463,12 @@ def _attn_gpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_
 
 
 def _matmul_residual_kernel(x_ref, w_ref, r_ref, out_ref, *, chunk):
-    """out = r + (x @ w) for one [rows, cols] output tile, the K loop over x's columns."""
+    """out = r + (x @ w.T) for one [rows, cols] output tile (w [cols, K]), the K loop over x's columns."""
 
     def step(c, acc):
         cols = pl.ds(c * chunk, chunk)
         x = x_ref[:, cols]
-        return acc + _tiles.mm(x.astype(jnp.result_type(x.dtype, w_ref.dtype)), w_ref[cols, :])
+        return acc + _tiles.mm_nt(x.astype(jnp.result_type(x.dtype, w_ref.dtype)), w_ref[:, cols])
 
     acc = lax.fori_loop(0, x_ref.shape[1] // chunk, step, jnp.zeros(out_ref.shape, jnp.float32))
     r = r_ref[...]
@@ -466,14 +476,15 @@ def _matmul_residual_kernel(x_ref, w_ref, r_ref, out_ref, *, chunk):
 
 
 def _matmul_residual(x, wmat, r, gt: GpuTiles, interpret):
-    """r + x @ wmat for x [N, K], wmat [K, M], r [N, M] (N a multiple of 16): grid (row tile, column tile)."""
+    """r + x @ wmat.T for x [N, K], wmat [M, K] (stored [out, in]), r [N, M] (N a multiple of 16): grid
+    (row tile, column tile)."""
     n, k = x.shape
-    m = wmat.shape[1]
+    m = wmat.shape[0]
     br, bn, chunk = pow2_divisor(n, gt.rows), pow2_divisor(m, gt.cols), pow2_divisor(k, gt.k_chunk)
     return pl.pallas_call(
         functools.partial(_matmul_residual_kernel, chunk=chunk),
         grid=(n // br, m // bn),
-        in_specs=[pl.BlockSpec((br, k), lambda r_, c: (r_, 0)), pl.BlockSpec((k, bn), lambda r_, c: (0, c)),
+        in_specs=[pl.BlockSpec((br, k), lambda r_, c: (r_, 0)), pl.BlockSpec((bn, k), lambda r_, c: (c, 0)),
                   pl.BlockSpec((br, bn), lambda r_, c: (r_, c))],
         out_specs=pl.BlockSpec((br, bn), lambda r_, c: (r_, c)),
         out_shape=jax.ShapeDtypeStruct((n, m), jnp.result_type(r.dtype, wmat.dtype)),
@@ -502,8 +513,8 @@ def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt
         in_specs=[pl.BlockSpec((None, wp, d), blk), pl.BlockSpec((None, wp, dh), blk),
                   pl.BlockSpec((None, wp, dh), blk), pl.BlockSpec((1, d), fixed), pl.BlockSpec((1, dh), fixed),
                   pl.BlockSpec((1, dh), fixed), pl.BlockSpec((dh, dh), fixed),
-                  pl.BlockSpec((d, dh), lambda i, c, j: (0, c * group + jnp.minimum(j, group - 1))),
-                  pl.BlockSpec((d, dh), lambda i, c, j: (0, c)), pl.BlockSpec((d, dh), lambda i, c, j: (0, c))],
+                  pl.BlockSpec((dh, d), lambda i, c, j: (c * group + jnp.minimum(j, group - 1), 0)),
+                  pl.BlockSpec((dh, d), lambda i, c, j: (c, 0)), pl.BlockSpec((dh, d), lambda i, c, j: (c, 0))],
         out_specs=[pl.BlockSpec((None, wp, dh), q_head), pl.BlockSpec((None, wp, dh), kv_head),
                    pl.BlockSpec((None, wp, dh), kv_head)],
         out_shape=[jax.ShapeDtypeStruct((ba, wp, hq * dh), dt), jax.ShapeDtypeStruct((ba, wp, hkv * dh), dt),
@@ -534,13 +545,13 @@ def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt
                               interpret)
 
     norm, wg, wu, wd = mlp
-    f = wg.shape[1]
+    f = wg.shape[0]
     br, bn = pow2_divisor(n, gt.rows), pow2_divisor(f, gt.cols)
     acts = pl.pallas_call(
         functools.partial(_gate_up_gpu_kernel, eps=eps, chunk=chunk),
         grid=(n // br, f // bn),
         in_specs=[pl.BlockSpec((br, d), lambda r, c: (r, 0)), pl.BlockSpec((1, d), lambda r, c: (0, 0)),
-                  pl.BlockSpec((d, bn), lambda r, c: (0, c)), pl.BlockSpec((d, bn), lambda r, c: (0, c))],
+                  pl.BlockSpec((bn, d), lambda r, c: (c, 0)), pl.BlockSpec((bn, d), lambda r, c: (c, 0))],
         out_specs=pl.BlockSpec((br, bn), lambda r, c: (r, c)),
         out_shape=jax.ShapeDtypeStruct((n, f), jnp.result_type(h_attn.dtype, norm.dtype, wg.dtype)),
         compiler_params=params,
@@ -551,11 +562,12 @@ def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt
 
 
 def _swiglu(x, wg, wu, wd):
-    """SwiGLU of x [R, D] through one F tile, down-projected and accumulated in float32: [R, D]."""
+    """SwiGLU of x [R, D] through one F tile (gate / up rows wg, wu [Ft, D], down columns wd [D, Ft]),
+    down-projected and accumulated in float32: [R, D]."""
     dt = jnp.result_type(x.dtype, wg.dtype)
-    gate, up = _tiles.mm(x, wg).astype(dt), _tiles.mm(x, wu).astype(dt)
+    gate, up = _tiles.mm_nt(x, wg).astype(dt), _tiles.mm_nt(x, wu).astype(dt)
     acts = jax.nn.silu(gate.astype(jnp.float32)).astype(dt) * up  # float32 math: GPU lowerings lack bf16 division
-    return _tiles.mm(acts.astype(jnp.result_type(acts.dtype, wd.dtype)), wd)
+    return _tiles.mm_nt(acts.astype(jnp.result_type(acts.dtype, wd.dtype)), wd)
 
 
 def _mlp_tpu_kernel(h_ref, n_ref, wg_ref, wu_ref, wd_ref, out_ref, x_s, acc_s, *, eps, num_f):
@@ -577,7 +589,7 @@ def _mlp_tpu_kernel(h_ref, n_ref, wg_ref, wu_ref, wd_ref, out_ref, x_s, acc_s, *
 def _mlp_tpu_call(args, *, eps, block_f, block_rows, interpret, tiles: TpuTiles):
     h, norm, wg, wu, wd = args
     n, d = h.shape
-    f = wg.shape[1]
+    f = wg.shape[0]
     grid = (-(-n // block_rows), f // block_f)
     rows = pl.BlockSpec((block_rows, d), lambda r, k: (r, 0))
     out_dtype = jnp.result_type(h.dtype, norm.dtype, wg.dtype, wd.dtype)
@@ -587,8 +599,8 @@ def _mlp_tpu_call(args, *, eps, block_f, block_rows, interpret, tiles: TpuTiles)
     return pl.pallas_call(
         functools.partial(_mlp_tpu_kernel, eps=eps, num_f=grid[1]),
         grid=grid,
-        in_specs=[rows, pl.BlockSpec((1, d), lambda r, k: (0, 0)), pl.BlockSpec((d, block_f), lambda r, k: (0, k)),
-                  pl.BlockSpec((d, block_f), lambda r, k: (0, k)), pl.BlockSpec((block_f, d), lambda r, k: (k, 0))],
+        in_specs=[rows, pl.BlockSpec((1, d), lambda r, k: (0, 0)), pl.BlockSpec((block_f, d), lambda r, k: (k, 0)),
+                  pl.BlockSpec((block_f, d), lambda r, k: (k, 0)), pl.BlockSpec((d, block_f), lambda r, k: (0, k))],
         out_specs=rows,
         out_shape=jax.ShapeDtypeStruct((n, d), out_dtype),
         scratch_shapes=[pltpu.VMEM((block_rows, d), jnp.result_type(h.dtype, norm.dtype)),

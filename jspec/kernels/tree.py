@@ -2,22 +2,25 @@
 themselves, the keys a compact per-row bitmask allows (ancestors and the node itself).
 
 Contract (`ref_tree_attention` is the specification):
-    q [B, T, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; k_new, v_new [B, T, Hkv, Dh] (the new tokens'
-    own keys / values); positions [B, T] int32; ctx_len [B]: cache rows < ctx_len are committed, their
-    position is their row index; bits [B, T, ceil(T / 32)] int32: new key k is visible to query i iff
-    bit k % 32 of bits[b, i, k // 32] is set; window: int32 scalar, 0 = full attention, else a key
-    is visible iff key_pos > query_pos - window (applied to new keys too unless window_new=False).
-    Returns [B, T, Hq, Dh] in q's dtype; a query with no visible key gets zeros. Cache rows >= ctx_len
-    are never read into the result (NaN there cannot leak). Query head h reads KV head h // (Hq / Hkv).
+    q [B, T, Hq, Dh]; k_cache, v_cache [B, Hkv, S, Dh] (heads-major: the target's `KVCache` layer
+    buffers, read in place); k_new, v_new [B, T, Hkv, Dh] (the new tokens' own keys / values, in the
+    projections' layout like q); positions [B, T] int32; ctx_len [B]: cache rows < ctx_len are
+    committed, their position is their row index; bits [B, T, ceil(T / 32)] int32: new key k is
+    visible to query i iff bit k % 32 of bits[b, i, k // 32] is set; window: int32 scalar, 0 = full
+    attention, else a key is visible iff key_pos > query_pos - window (applied to new keys too unless
+    window_new=False). Returns [B, T, Hq, Dh] in q's dtype; a query with no visible key gets zeros.
+    Cache rows >= ctx_len are never read into the result (NaN there cannot leak). Query head h reads
+    KV head h // (Hq / Hkv).
 
-Kernels: "tpu" (Mosaic TPU: grid (batch, kv-head group, cache tile), the cache streamed tile by tile
-through the double-buffered BlockSpec pipeline with tiles outside [window start, ctx_len) skipped
-without DMA, online softmax in VMEM scratch; tile rows and KV heads per step from the generation's
-`TPU_TILES` budget: at Qwen3-8B shape on v5p, 1024 rows x 8 heads x 128 x 2 B = 2 MiB per K tile, K + V
-double-buffered 8 MiB) and "portable" (the GPU variant, lowered through Triton: grid (batch, q head),
-each program walks its KV head's cache in tiles of kv_rows rows [64 bf16 / 32 float32] by an in-kernel
-loop; q [Tp, Dh] + K, V tiles are its dot operands, within shared memory: 48 KiB per pipeline stage at
-Tp 64, bf16). See jspec.kernels for selection.
+Kernels: "tpu" (Mosaic TPU: grid (batch, kv-head group, cache tile), the cache streamed in blocks of
+(heads per step, tile rows, Dh) through the double-buffered BlockSpec pipeline with tiles outside
+[window start, ctx_len) skipped without DMA, online softmax in VMEM scratch; tile rows and KV heads per
+step from the generation's `TPU_TILES` budget: at Qwen3-8B shape on v5p, 8 heads x 1024 rows x 128 x 2 B
+= 2 MiB per K tile, K + V double-buffered 8 MiB) and "portable" (the GPU variant, lowered through
+Triton: grid (batch, q head), each program walks its KV head's contiguous [S, Dh] cache slab in tiles
+of kv_rows rows [64 bf16 / 32 float32] by an in-kernel loop; q [Tp, Dh] + K, V tiles are its dot
+operands, within shared memory: 48 KiB per pipeline stage at Tp 64, bf16). See jspec.kernels for
+selection.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def ref_tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bi
                        window_new: bool = True) -> jax.Array:
     """Pure-jnp tree attention (the specification of the kernels; see the module docstring)."""
     b, t, hq, dh = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
     rows = jnp.arange(s)
     committed = rows[None, :] < ctx_len[:, None]  # [B, S]
     in_window = rows[None, None, :] > positions[:, :, None] - window
@@ -64,14 +67,16 @@ def ref_tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bi
     new_vis = unpack_bits(bits, t)  # [B, T, T]
     if window_new:
         new_vis = new_vis & ((window == 0) | (positions[:, None, :] > positions[:, :, None] - window))
-    keys = jnp.concatenate([jnp.where(committed[:, :, None, None], k_cache, 0).astype(q.dtype), k_new], axis=1)
-    vals = jnp.concatenate([jnp.where(committed[:, :, None, None], v_cache, 0).astype(q.dtype), v_new], axis=1)
+    # Keys / values [B, Hkv, S + T, Dh]: the committed cache rows, then the new tokens'.
+    joined = lambda cache, new: jnp.concatenate(
+        [jnp.where(committed[:, None, :, None], cache, 0).astype(q.dtype), jnp.swapaxes(new, 1, 2)], axis=2)
+    keys, vals = joined(k_cache, k_new), joined(v_cache, v_new)
     mask = jnp.concatenate([cache_vis, new_vis], axis=2)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, preferred_element_type=jnp.float32) * dh**-0.5
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
     probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(vals.dtype), vals)
     return out.reshape(b, t, hq, dh)
 
 
@@ -90,7 +95,7 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
     b, t, hq, dh = q.shape
     if impl == "portable" and not interpret:
         require_pow2(head_dim=dh)
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     window = jnp.asarray(window, jnp.int32)
     tp = query_rows(t, impl)  # padded rows see no new key and are dropped
@@ -102,10 +107,9 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
     pos = jnp.pad(positions.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
     words = bits.shape[-1] if impl == "tpu" else pow2_at_least(bits.shape[-1])  # GPU: power-of-two shapes
     bits = jnp.pad(pad(bits.astype(jnp.int32)), [(0, 0), (0, 0), (0, words - bits.shape[-1])])
-    kc, vc = (x.reshape(b, s, hkv * dh) for x in (k_cache, v_cache))
     common = dict(group=group, dh=dh, tp=tp, scale=dh**-0.5, window_new=window_new)
     scalars = (lo, hi, window.reshape(1))
-    tensors = (qf, knf, vnf, pos[:, :, None], pos[:, None, :], bits, kc, vc)
+    tensors = (qf, knf, vnf, pos[:, :, None], pos[:, None, :], bits, k_cache, v_cache)
     if impl == "tpu":
         tiles = tpu_tiles()
         bk = min(round_up(block_k or tiles.cache_rows, 8), round_up(s, 8))
@@ -119,23 +123,30 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
 
 
 def _tpu_kv_heads(hkv: int, dh: int, block_k: int, itemsize: int, tile_bytes: int) -> int:
-    """The most KV heads per TPU step (a divisor of hkv, lanes a multiple of 128) whose K tile
-    [block_k, heads * dh] fits tile_bytes; at least the fewest lane-aligned ones."""
+    """The most KV heads per TPU step (a divisor of hkv whose q / new-key lanes, heads * dh, are a
+    multiple of 128) whose K tile [heads, block_k, dh] fits tile_bytes in VMEM; at least the fewest
+    lane-aligned ones."""
     best = kv_heads_per_step(hkv, dh)
     for k in range(best, hkv + 1):
-        if hkv % k == 0 and (k * dh) % 128 == 0 and block_k * k * dh * itemsize <= tile_bytes:
+        if hkv % k == 0 and (k * dh) % 128 == 0 and _cache_tile_bytes(k, block_k, dh, itemsize) <= tile_bytes:
             best = k
     return best
+
+
+def _cache_tile_bytes(heads: int, block_k: int, dh: int, itemsize: int) -> int:
+    """VMEM bytes of one K (or V) cache block (heads, block_k, dh) on TPU: each head's [block_k, dh] tile
+    takes whole 128-lane rows."""
+    return heads * block_k * round_up(dh, 128) * itemsize
 
 
 def layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, **options):
     """The attention of `transformer._layer` in a tree pass, by the kernel: [B, T, Hq, Dh].
 
     q [B, T, Hq, Dh]; k, v [B, T, Hkv, Dh]: the new tokens' keys / values; k_cache, v_cache
-    [B, S, Hkv, Dh] with those already written at cache_rows [B, T]; tree_mask [B, T, T] dense, packed
-    here into the bitmask. Contract (every jspec tree pass): cache_rows >= ctx_len, so new tokens
-    never overwrite committed rows. options: as `tree_attention`."""
-    s = k_cache.shape[1]
+    [B, Hkv, S, Dh] (the layer's cache buffers as they are) with those already written at cache_rows
+    [B, T]; tree_mask [B, T, T] dense, packed here into the bitmask. Contract (every jspec tree pass):
+    cache_rows >= ctx_len, so new tokens never overwrite committed rows. options: as `tree_attention`."""
+    s = k_cache.shape[2]
     # A new token whose row fell outside the cache was dropped by the write: the reference cannot see it.
     written = (cache_rows >= 0) & (cache_rows < s)
     bits = pack_bits(tree_mask & written[:, None, :])
@@ -182,9 +193,8 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
         rows_c = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         readable = (rows_c >= lo) & (rows_c < hi)  # zero the rest: 0 * NaN would poison the sum
         for c in range(hk):
-            cols = slice(c * dh, (c + 1) * dh)
-            v = jnp.where(readable, vc_ref[:, cols], 0).astype(q_s.dtype)
-            store(c, _tiles.attend(load(c), q_s[c], kc_ref[:, cols].astype(q_s.dtype), v, vis, scale))
+            v = jnp.where(readable, vc_ref[c], 0).astype(q_s.dtype)
+            store(c, _tiles.attend(load(c), q_s[c], kc_ref[c].astype(q_s.dtype), v, vis, scale))
 
     @pl.when(j == num_tiles - 1)
     def _finish():
@@ -198,14 +208,13 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
 
 def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret, tiles: TpuTiles):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
-    b, s, kv_lanes = kc.shape
-    hkv = kv_lanes // dh
+    b, hkv, s, _ = kc.shape
     num_tiles = -(-s // block_k)
     words = bits.shape[-1]
 
     def cache_map(bi, g, j, lo_ref, hi_ref, win_ref):
         first, last = _tiles.context_tiles(lo_ref[bi], hi_ref[bi], block_k, num_tiles)
-        return bi, jnp.clip(j, first, last), g
+        return bi, g, jnp.clip(j, first, last), 0
 
     row_map = lambda bi, g, j, *_: (bi, 0, g)
     fixed = lambda bi, g, j, *_: (bi, 0, 0)
@@ -221,8 +230,8 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
             pl.BlockSpec((None, tp, 1), fixed),
             pl.BlockSpec((None, 1, tp), fixed),
             pl.BlockSpec((None, tp, words), fixed),
-            pl.BlockSpec((None, block_k, hk * dh), cache_map),
-            pl.BlockSpec((None, block_k, hk * dh), cache_map),
+            pl.BlockSpec((None, hk, block_k, dh), cache_map),
+            pl.BlockSpec((None, hk, block_k, dh), cache_map),
         ],
         out_specs=pl.BlockSpec((None, tp, hk * group * dh), row_map),
         scratch_shapes=[
@@ -234,7 +243,8 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
     )
     # Double-buffered blocks (q / out [tp, hk*group*dh], new K / V, bits, cache K / V tiles) plus scratch.
     q_bytes = tp * hk * group * dh * qf.dtype.itemsize
-    need = (2 * (2 * q_bytes + 2 * tp * hk * dh * knf.dtype.itemsize + 2 * block_k * hk * dh * kc.dtype.itemsize)
+    tile_bytes = _cache_tile_bytes(hk, block_k, dh, kc.dtype.itemsize)
+    need = (2 * (2 * q_bytes + 2 * tp * hk * dh * knf.dtype.itemsize + 2 * tile_bytes)
             + q_bytes + 4 * hk * group * tp * (2 * _tiles.STAT_LANES + dh))
     return pl.pallas_call(
         kernel,
@@ -277,19 +287,20 @@ def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_
 
 def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, gt: GpuTiles, interpret):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
-    b, s, kv_lanes = kc.shape
+    b, _, s, _ = kc.shape
     hq = qf.shape[2] // dh
     kernel = functools.partial(_portable_kernel, tp=tp, block_k=block_k, scale=scale, window_new=window_new)
     whole = lambda x: pl.BlockSpec(x.shape, lambda bi, h: (0,) * x.ndim)
     per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi, h: (bi,) + (0,) * (x.ndim - 1))
     head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h))
     kv_head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h // group))
+    cache = pl.BlockSpec((None, None, s, dh), lambda bi, h: (bi, h // group, 0, 0))  # the KV head's [S, Dh]
     return pl.pallas_call(
         kernel,
         grid=(b, hq),
         compiler_params=pltriton.CompilerParams(num_warps=gt.warps, num_stages=gt.stages),
         in_specs=[*(whole(x) for x in scalars), head(tp), kv_head(tp), kv_head(tp), per_row(pos_col),
-                  per_row(pos_row), per_row(bits), kv_head(s), kv_head(s)],
+                  per_row(pos_row), per_row(bits), cache, cache],
         out_specs=head(tp),
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
         interpret=interpret,

@@ -12,7 +12,10 @@ and its Hugging Face tensor name and orientation. From that one declaration foll
 - shardings: `logical_axes` -> `jspec.parallel.param_shardings`;
 - shapes: `abstract_tree` (`jax.eval_shape`, nothing allocated).
 
-Matrices are stored [in, out]; `transpose` marks a tensor that HF stores [out, in].
+Each declaration fixes its matrix's orientation. Decoder layers (dense targets, small-LM drafters,
+DFlash / DSpark layers), LM heads and DFlash's fc are stored [out, in] as HF stores them
+(`jspec.models.transformer.linear` says why); the DSpark Markov / confidence heads and the hybrid
+targets' matrices are stored [in, out], and `transpose` marks each tensor that HF stores the other way.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ class Declared(nn.LogicallyPartitioned):
     transpose: bool = struct.field(pytree_node=False, default=False)
 
 
-INITIALIZERS = {"normal", "ones", "zeros"}
+# normal(std), constants, and log(uniform(0.01, 16)): the log decay rates of Gated DeltaNet layers
+# (A_log), as transformers initialises them.
+INITIALIZERS = {"normal", "ones", "zeros", "log_uniform"}
 
 
 def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], init: str, hf: str, *,
@@ -48,6 +53,8 @@ def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
             value = jnp.ones(shape, dtype)
         elif init == "zeros":
             value = jnp.zeros(shape, dtype)
+        elif init == "log_uniform":
+            value = jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
         else:
             value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         return Declared(value, tuple(axes), hf=hf, transpose=transpose)

@@ -90,10 +90,12 @@ def causal_conv(
         idx = jnp.arange(t)[:, None] + 1 + jnp.arange(k - 1)[None, :]  # window after t: ext[t+1 : t+K]
         windows = ext[:, idx] if keep_windows else None
     else:
-        taps = _tree_taps(parent, k)  # [B, T, K], d steps back
+        # Each token's K inputs along its root path, oldest first like the taps of w (the index is
+        # reversed, not w: a reversed or transposed w would be a copy of the weight every pass).
+        taps = _tree_taps(parent, k)[..., ::-1]  # [B, T, K]
         gathered = jnp.take_along_axis(ext[:, None], taps[..., None], axis=2)  # [B, T, K, C]
-        y = jnp.einsum("btdc,dc->btc", gathered.astype(jnp.float32), wf[::-1])
-        windows = gathered[:, :, k - 2 :: -1] if keep_windows else None  # d = K-2 .. 0, oldest first
+        y = jnp.sum(gathered.astype(jnp.float32) * wf, axis=2)
+        windows = gathered[:, :, 1:] if keep_windows else None
     if lengths is None:
         last = ext[:, t:]
     else:

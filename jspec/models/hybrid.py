@@ -1,28 +1,36 @@
 """Hybrid recurrent targets (Qwen3-Next, Qwen3.5 text): Gated DeltaNet layers mixed with gated attention.
 
-Pure functions over a parameter pytree, mirroring `transformer.py` (matrices stored [in, out]).
-Per-layer tensors are stacked by kind, in layer order within each stack:
+A `flax.linen` module applied to a plain parameter pytree, like `transformer.py`: every parameter is
+declared once in the modules below (`jspec.models.declare`: shape, dtype, initializer, logical axes,
+HF name), and `init_params`, `param_shapes`, the HF loader (`jspec.io.hf_hybrid`) and the shardings
+(`jspec.parallel.target_axes`) all read those declarations.
+
+Parameters (a plain nested dict; `layers` is a list with one dict per layer, which holds that layer's
+mixer and MLP leaves; matrices stored [in, out]):
 
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when embeddings are tied)
-    norms:  in_norm, mlp_norm [L, D]                         zero-centred: x_hat * (1 + w)
-    attn:   (La full-attention layers)
-            wq [La, D, Hq*2*Dh] (per head [query Dh | gate Dh]), wk/wv [La, D, Hkv*Dh],
-            wo [La, Hq*Dh, D], q_norm/k_norm [La, Dh] (zero-centred)
-    gdn:    (Lg Gated DeltaNet layers; one flat projection layout for both families, the loader
-            converts Qwen3-Next's grouped in_proj_qkvz / in_proj_ba)
-            w_qkv [Lg, D, C] with C = 2*HK*dk + HV*dv, the conv channels [q | k | v];
-            w_z [Lg, D, HV*dv]; w_b/w_a [Lg, D, HV]; conv [Lg, K, C]; dt_bias/A_log [Lg, HV];
-            norm [Lg, dv] (gated RMSNorm, ones-centred); w_out [Lg, HV*dv, D]
-    mlp:    (Ld dense SwiGLU layers) w_gate/w_up [Ld, D, F], w_down [Ld, F, D]
-    moe:    (Lm sparse layers) router [Lm, D, E]; e_gate/e_up [Lm, E, D, Fe]; e_down [Lm, E, Fe, D];
-            s_gate/s_up [Lm, D, Fs], s_down [Lm, Fs, D] (shared expert); shared_gate [Lm, D, 1]
+    layers[i]: in_norm, mlp_norm [D]                               zero-centred: x_hat * (1 + w)
+      full attention: wq [D, Hq*2*Dh] (per head [query Dh | gate Dh]), wk/wv [D, Hkv*Dh],
+                      wo [Hq*Dh, D], q_norm/k_norm [Dh] (zero-centred)
+      Gated DeltaNet: w_qkv [D, C] with C = 2*HK*dk + HV*dv, the conv channels [q | k | v];
+                      w_z [D, HV*dv]; w_b/w_a [D, HV]; conv [K, C]; dt_bias/A_log [HV];
+                      norm [dv] (gated RMSNorm, ones-centred); w_out [HV*dv, D]
+                      (one flat layout for both families: the loader converts Qwen3-Next's grouped
+                      in_proj_qkvz / in_proj_ba)
+      dense MLP:      w_gate/w_up [D, F], w_down [F, D]
+      MoE:            router [D, E]; e_gate/e_up [E, D, Fe]; e_down [E, Fe, D]; s_gate/s_up [D, Fs],
+                      s_down [Fs, D] (shared expert); shared_gate [D, 1]
 
-A group is absent when the model has no layer of that kind. The layer stack runs as one `lax.scan`
-over repeats of the shortest periodic block of layer kinds (Qwen3-Next: 3 GDN + 1 attention), the
-layers of a block unrolled; stacks are reshaped [L_x] -> [blocks, per block] for the scan.
+The layers run as an unrolled Python loop over these per-layer weights. Stacking the layers by kind
+and scanning over repeats of the periodic block of kinds would trace a smaller program, but on XLA:GPU
+and XLA:CPU a weight sliced out of a stack inside the scan body is copied whole before its matmul,
+every pass, and stacked caches that are scan inputs and outputs are copied in and out of the loop:
+a verify pass would move several times the bytes it must read.
 
-Cache (`HybridCache`): K/V of the attention layers with `transformer.KVCache` row semantics, and per
-GDN layer the conv window (last K-1 conv inputs) and the recurrent state S (float32).
+Cache (`HybridCache`): per attention layer a K and a V buffer [B, Hkv, S, Dh] with
+`transformer.KVCache` row semantics (each layer writes its rows in place, `attention.write_rows`, and
+reads the valid ones, `attention.attend`); per GDN layer the conv window (last K-1 conv inputs) and the
+recurrent state S (float32).
 
 Committing after a verify pass uses the **per-position states** strategy (HYBRID.md): the pass
 (`keep_states=True`) returns the conv window and S after every one of its T tokens, and
@@ -38,20 +46,21 @@ and row, 65x less, for a second (<= T step) recurrent pass after verification.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
 import os
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.models import gdn
 from jspec.models.attention import attend, write_rows
-from jspec.models.transformer import rope
+from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
+from jspec.models.transformer import from_linen, rope, to_linen
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_ARCHITECTURES = {
@@ -150,13 +159,10 @@ class HybridConfig:
                 "mlp": self.mlp_types.count("dense"), "moe": self.mlp_types.count("moe")}
 
     @property
-    def block(self) -> tuple[tuple[str, str], ...]:
-        """The shortest period of per-layer (mixer stack, MLP stack) names that tiles the layer stack."""
-        kinds = tuple(("attn" if m == FULL else "gdn", "moe" if f == "moe" else "mlp")
-                      for m, f in zip(self.layer_types, self.mlp_types))
-        n = self.num_layers
-        return next(kinds[:p] for p in range(1, n + 1)
-                    if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+    def slots(self) -> tuple[int, ...]:
+        """Per layer, its index among the layers of its mixer kind: into `HybridCache.k` / `v`
+        (attention layers) or `conv` / `ssm` (GDN layers)."""
+        return tuple(self.layer_types[:i].count(kind) for i, kind in enumerate(self.layer_types))
 
     @property
     def num_params(self) -> int:
@@ -296,61 +302,77 @@ def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
             ).astype(np.float32)
 
 
-# --- parameters ---------------------------------------------------------------------------------
+# --- parameter declarations ---------------------------------------------------------------------
+# Logical axes that `jspec.parallel.ShardingRules` does not name stay replicated: the GDN layers'
+# channels and heads (gdn_channels, gdn_heads) and the MoE experts (experts, expert_mlp).
 
 
-def param_shapes(cfg: HybridConfig) -> dict:
-    """Shape of every parameter, in the pytree layout of the module docstring."""
-    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.counts
-    hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    shapes: dict = {"embed": (v, d), "final_norm": (d,),
-                    "norms": {"in_norm": (cfg.num_layers, d), "mlp_norm": (cfg.num_layers, d)}}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    if n["attn"]:
-        la = n["attn"]
-        shapes["attn"] = {"wq": (la, d, hq * 2 * dh), "wk": (la, d, hkv * dh), "wv": (la, d, hkv * dh),
-                          "wo": (la, hq * dh, d), "q_norm": (la, dh), "k_norm": (la, dh)}
-    if n["gdn"]:
-        lg, c = n["gdn"], cfg.conv_dim
-        shapes["gdn"] = {"w_qkv": (lg, d, c), "w_z": (lg, d, hv * dv), "w_b": (lg, d, hv), "w_a": (lg, d, hv),
-                         "conv": (lg, cfg.linear_conv_kernel_dim, c), "dt_bias": (lg, hv), "A_log": (lg, hv),
-                         "norm": (lg, dv), "w_out": (lg, hv * dv, d)}
-    if n["mlp"]:
-        ld, f = n["mlp"], cfg.intermediate_size
-        shapes["mlp"] = {"w_gate": (ld, d, f), "w_up": (ld, d, f), "w_down": (ld, f, d)}
-    if n["moe"]:
-        lm, e, fe, fs = n["moe"], cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        shapes["moe"] = {"router": (lm, d, e), "e_gate": (lm, e, d, fe), "e_up": (lm, e, d, fe),
-                         "e_down": (lm, e, fe, d), "s_gate": (lm, d, fs), "s_up": (lm, d, fs),
-                         "s_down": (lm, fs, d), "shared_gate": (lm, d, 1)}
-    return shapes
+def _attention_params(decl, cfg: HybridConfig, pre: str) -> dict:
+    d, dh = cfg.hidden_size, cfg.head_dim
+    q, kv, sa = cfg.num_heads * dh, cfg.num_kv_heads * dh, pre + "self_attn."
+    return {
+        "wq": decl("wq", (d, 2 * q), ("embed", "heads"), "normal", sa + "q_proj.weight", transpose=True),
+        "wk": decl("wk", (d, kv), ("embed", "kv_heads"), "normal", sa + "k_proj.weight", transpose=True),
+        "wv": decl("wv", (d, kv), ("embed", "kv_heads"), "normal", sa + "v_proj.weight", transpose=True),
+        "wo": decl("wo", (q, d), ("heads", "embed"), "normal", sa + "o_proj.weight", transpose=True),
+        "q_norm": decl("q_norm", (dh,), ("head_dim",), "zeros", sa + "q_norm.weight"),
+        "k_norm": decl("k_norm", (dh,), ("head_dim",), "zeros", sa + "k_norm.weight"),
+    }
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def init_params(cfg: HybridConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    """Random parameters for tests and from-scratch training (transformers' init conventions)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
-    sizes = [int(np.prod(shape)) for _, shape in flat]
-    # One draw for all leaves: a threefry call per leaf makes XLA's compile time grow with the leaf count.
-    k_normal, k_uniform = jax.random.split(key)
-    normal = jax.random.normal(k_normal, (sum(sizes),))
-    uniform = jax.random.uniform(k_uniform, (sum(sizes),), minval=0.01, maxval=16.0)
-    out, offset = [], 0
-    for (path, shape), size in zip(flat, sizes):
-        name = jax.tree_util.keystr(path[-1:]).strip("[]'")
-        if name in ("in_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
-            x = jnp.zeros(shape)  # zero-centred: scale 1 + w
-        elif name in ("norm", "dt_bias"):
-            x = jnp.ones(shape)
-        elif name == "A_log":
-            x = jnp.log(uniform[offset : offset + size]).reshape(shape)
-        else:
-            x = std * normal[offset : offset + size].reshape(shape)
-        out.append(x.astype(dtype))
-        offset += size
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _gdn_params(decl, cfg: HybridConfig, pre: str) -> dict:
+    d, c = cfg.hidden_size, cfg.conv_dim
+    hv, dv, la = cfg.linear_num_value_heads, cfg.linear_value_head_dim, pre + "linear_attn."
+    if cfg.family == "qwen3_next":  # two checkpoint tensors grouped per key head; the loader regroups
+        hf = {"qkv": la + "in_proj_qkvz.weight", "z": la + "in_proj_qkvz.weight",
+              "b": la + "in_proj_ba.weight", "a": la + "in_proj_ba.weight"}
+    else:
+        hf = {n: f"{la}in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")}
+    proj = lambda n, width, axis: decl(f"w_{n}", (d, width), ("embed", axis), "normal", hf[n], transpose=True)
+    return {
+        "w_qkv": proj("qkv", c, "gdn_channels"),
+        "w_z": proj("z", hv * dv, "gdn_heads"),
+        "w_b": proj("b", hv, "gdn_heads"),
+        "w_a": proj("a", hv, "gdn_heads"),
+        # The checkpoint's Conv1d weight is [C, 1, K]: transposed, with a unit axis the loader drops.
+        "conv": decl("conv", (cfg.linear_conv_kernel_dim, c), (None, "gdn_channels"), "normal",
+                     la + "conv1d.weight", transpose=True),
+        "dt_bias": decl("dt_bias", (hv,), ("gdn_heads",), "ones", la + "dt_bias"),
+        "A_log": decl("A_log", (hv,), ("gdn_heads",), "log_uniform", la + "A_log"),
+        "norm": decl("norm", (dv,), ("head_dim",), "ones", la + "norm.weight"),
+        "w_out": decl("w_out", (hv * dv, d), ("gdn_heads", "embed"), "normal", la + "out_proj.weight",
+                      transpose=True),
+    }
+
+
+def _mlp_params(decl, cfg: HybridConfig, pre: str) -> dict:
+    d, f, m = cfg.hidden_size, cfg.intermediate_size, pre + "mlp."
+    return {
+        "w_gate": decl("w_gate", (d, f), ("embed", "mlp"), "normal", m + "gate_proj.weight", transpose=True),
+        "w_up": decl("w_up", (d, f), ("embed", "mlp"), "normal", m + "up_proj.weight", transpose=True),
+        "w_down": decl("w_down", (f, d), ("mlp", "embed"), "normal", m + "down_proj.weight", transpose=True),
+    }
+
+
+def _moe_params(decl, cfg: HybridConfig, pre: str) -> dict:
+    d, e, m = cfg.hidden_size, cfg.num_experts, pre + "mlp."
+    fe, fs = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    # One checkpoint tensor per expert ("{e}"), each [out, in]; jspec stacks them on a leading axis.
+    expert = lambda n, shape, axes: decl(f"e_{n}", shape, axes, "normal", m + "experts.{e}." + n + "_proj.weight",
+                                         transpose=True)
+    shared = lambda n, shape, axes: decl(f"s_{n}", shape, axes, "normal", f"{m}shared_expert.{n}_proj.weight",
+                                         transpose=True)
+    return {
+        "router": decl("router", (d, e), ("embed", "experts"), "normal", m + "gate.weight", transpose=True),
+        "e_gate": expert("gate", (e, d, fe), ("experts", "embed", "expert_mlp")),
+        "e_up": expert("up", (e, d, fe), ("experts", "embed", "expert_mlp")),
+        "e_down": expert("down", (e, fe, d), ("experts", "expert_mlp", "embed")),
+        "s_gate": shared("gate", (d, fs), ("embed", "expert_mlp")),
+        "s_up": shared("up", (d, fs), ("embed", "expert_mlp")),
+        "s_down": shared("down", (fs, d), ("expert_mlp", "embed")),
+        "shared_gate": decl("shared_gate", (d, 1), ("embed", None), "normal", m + "shared_expert_gate.weight",
+                            transpose=True),
+    }
 
 
 # --- cache and per-position states --------------------------------------------------------------
@@ -359,39 +381,40 @@ def init_params(cfg: HybridConfig, key: jax.Array, dtype=jnp.float32, std: float
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HybridCache:
-    """Static preallocated target state.
+    """Static preallocated target state, one buffer per layer (`cfg.slots` maps a layer to its index).
 
-    k, v [La, B, Hkv, S, Dh]: attention K/V; rows < ctx_len are committed, position == row index
-    (same semantics as `transformer.KVCache`). conv [Lg, B, K-1, C]: the last K-1 conv inputs of each
-    GDN layer, oldest first (cache dtype). ssm [Lg, B, HV, dk, dv]: recurrent state S, float32.
+    k[j], v[j] [B, Hkv, S, Dh]: K/V of the j-th attention layer; rows < ctx_len are committed,
+    position == row index (same semantics as `transformer.KVCache`). conv[j] [B, K-1, C]: the last
+    K-1 conv inputs of the j-th GDN layer, oldest first (cache dtype). ssm[j] [B, HV, dk, dv]: its
+    recurrent state S, float32.
     """
 
-    k: jax.Array
-    v: jax.Array
-    conv: jax.Array
-    ssm: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @classmethod
     def zeros(cls, cfg: HybridConfig, batch: int, size: int, dtype=jnp.float32) -> "HybridCache":
         n = cfg.counts
-        kv = (n["attn"], batch, cfg.num_kv_heads, size, cfg.head_dim)
-        return cls(
-            jnp.zeros(kv, dtype), jnp.zeros(kv, dtype),
-            jnp.zeros((n["gdn"], batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
-            jnp.zeros((n["gdn"], batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                       cfg.linear_value_head_dim), jnp.float32),
-        )
+        kv = (batch, cfg.num_kv_heads, size, cfg.head_dim)
+        conv = (batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+        ssm = (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        return cls(tuple(jnp.zeros(kv, dtype) for _ in range(n["attn"])),
+                   tuple(jnp.zeros(kv, dtype) for _ in range(n["attn"])),
+                   tuple(jnp.zeros(conv, dtype) for _ in range(n["gdn"])),
+                   tuple(jnp.zeros(ssm, jnp.float32) for _ in range(n["gdn"])))
 
 
 class GDNStates(NamedTuple):
-    """Recurrent state after each token of a pass (keep_states=True)."""
+    """Recurrent state after each token of a pass (keep_states=True), one entry per GDN layer."""
 
-    conv: jax.Array  # [Lg, B, T, K-1, C]
-    ssm: jax.Array  # [Lg, B, T, HV, dk, dv] float32
+    conv: tuple[jax.Array, ...]  # [B, T, K-1, C]
+    ssm: tuple[jax.Array, ...]  # [B, T, HV, dk, dv] float32
 
 
 class HybridForwardOut(NamedTuple):
@@ -407,18 +430,17 @@ def commit_states(cache: HybridCache, states: GDNStates, index: jax.Array) -> Hy
     With a chain pass [anchor, d_1..d_g] and n accepted drafts, index = n; for a tree, the node index
     of the last accepted node (0 = the anchor). K/V are untouched (compact them as for dense models).
     """
-    def pick(x):
-        idx = index.reshape((1, -1, 1) + (1,) * (x.ndim - 3))
-        return jnp.take_along_axis(x, idx, axis=2)[:, :, 0]
+    def pick(x):  # [B, T, ...] -> [B, ...]
+        return jnp.take_along_axis(x, index.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
-    return dataclasses.replace(cache, conv=pick(states.conv).astype(cache.conv.dtype), ssm=pick(states.ssm))
+    conv = tuple(pick(w).astype(c.dtype) for w, c in zip(states.conv, cache.conv, strict=True))
+    return dataclasses.replace(cache, conv=conv, ssm=tuple(map(pick, states.ssm)))
 
 
 def reset_recurrent(cache: HybridCache, rows: jax.Array) -> HybridCache:
     """Zero the conv window and state of rows [B] bool (a recycled batch slot starts from scratch)."""
-    conv = jnp.where(rows[None, :, None, None], 0, cache.conv)
-    ssm = jnp.where(rows[None, :, None, None, None], 0, cache.ssm)
-    return dataclasses.replace(cache, conv=conv, ssm=ssm)
+    zero = lambda x: jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), 0, x)
+    return dataclasses.replace(cache, conv=tuple(map(zero, cache.conv)), ssm=tuple(map(zero, cache.ssm)))
 
 
 # --- layers -------------------------------------------------------------------------------------
@@ -514,10 +536,16 @@ def _moe(cfg: HybridConfig, lp, x):
             "nd,nkdf->nkf", xf, lp["e_up"][idx])
         out = jnp.einsum("nkf,nkfd,nk->nd", hidden, lp["e_down"][idx], weight)
     else:
+        # Batched over the experts, so that each expert's matrices are read as stored: contracting
+        # [E, D, Fe] over D with E a free dimension transposes the whole stack first on XLA:CPU.
         combine = jnp.zeros((b * t, e), weight.dtype).at[jnp.arange(b * t)[:, None], idx].set(weight)
-        hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", xf, lp["e_gate"])) * jnp.einsum("nd,edf->nef", xf, lp["e_up"])
-        out = jnp.einsum("nef,efd,ne->nd", hidden, lp["e_down"], combine)
-    shared = _swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * jax.nn.sigmoid(xf @ lp["shared_gate"])
+        xe = jnp.broadcast_to(xf, (e,) + xf.shape)
+        hidden = jax.nn.silu(jnp.einsum("end,edf->enf", xe, lp["e_gate"])) * jnp.einsum("end,edf->enf", xe,
+                                                                                         lp["e_up"])
+        out = jnp.einsum("enf,efd,ne->nd", hidden, lp["e_down"], combine)
+    # The shared expert's gate is one output column: a product and a sum (as a matmul XLA:CPU copies it).
+    gate = jax.nn.sigmoid(jnp.sum(xf * lp["shared_gate"][:, 0], axis=-1, keepdims=True))
+    shared = _swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * gate
     return (out + shared).reshape(b, t, d)
 
 
@@ -541,6 +569,40 @@ def _check_args(cfg, tokens, positions, taps, tree_mask, parent, keep_states, le
         raise ValueError(f"gdn_impl must be auto, chunked or recurrent, got {gdn_impl!r}")
     if gdn_impl == "chunked" and keep_states:
         raise ValueError("keep_states needs the recurrent GDN form (the chunked form has no per-token states)")
+
+
+class PassInputs(NamedTuple):
+    """What every layer of one pass reads besides its own weights and state (see `forward`)."""
+
+    positions: jax.Array
+    cache_rows: jax.Array
+    ctx_len: jax.Array
+    tree_mask: jax.Array | None
+    parent: jax.Array | None
+    lengths: jax.Array | None
+    inv_freq: jax.Array
+    keep_states: bool
+    gdn_impl: str  # "chunked" | "recurrent"
+    chunk_size: int
+
+
+def _layer(cfg: HybridConfig, i: int, lp: dict, h, state: tuple, ps: PassInputs):
+    """Layer i. h [B, T, D]; state: (k_cache, v_cache) of an attention layer, (conv window, S) of a GDN
+    layer. Returns (h, the new state, (windows, states) after each token of a GDN layer when
+    ps.keep_states, else None)."""
+    x = zc_rms_norm(h, lp["in_norm"], cfg.rms_norm_eps)
+    per_position = None
+    if cfg.layer_types[i] == FULL:
+        out, *state = _attn_layer(cfg, lp, x, *state, ps.positions, ps.cache_rows, ps.ctx_len, ps.tree_mask,
+                                  ps.inv_freq)
+    else:
+        out, *state, per_position = _gdn_layer(cfg, lp, x, *state, parent=ps.parent, lengths=ps.lengths,
+                                               keep_states=ps.keep_states, impl=ps.gdn_impl,
+                                               chunk_size=ps.chunk_size)
+    h = h + out
+    x = zc_rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    h = h + (_moe(cfg, lp, x) if cfg.mlp_types[i] == "moe" else _swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    return h, tuple(state), per_position
 
 
 def forward(
@@ -575,88 +637,129 @@ def forward(
       token t continue from the state after token parent[t]; None = a chain.
     gdn_impl: "auto" (chunked form for multi-token chains without keep_states, else token by token),
     "chunked" or "recurrent"; chunk_size is the chunked form's block length.
+
+    The layers run unrolled over per-layer weights and caches (module docstring): every attention
+    layer writes its K/V rows into its own buffer in place.
     """
     _check_args(cfg, tokens, positions, taps, tree_mask, parent, keep_states, lengths, gdn_impl)
-    b, t = tokens.shape
     if cache_rows is None:
         cache_rows = positions
     if ctx_len is None:
         ctx_len = positions[:, 0]
     impl = gdn_impl
     if impl == "auto":
-        impl = "chunked" if (t > 1 and not keep_states and parent is None) else "recurrent"
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-
-    block = cfg.block
-    nb = cfg.num_layers // len(block)
-    per_block = collections.Counter(kind for layer in block for kind in layer)
-
-    def split(x, n):  # [L_kind, ...] -> [blocks, n per block, ...]
-        return x.reshape((nb, n) + x.shape[1:])
-
-    xs: dict = {"norms": jax.tree_util.tree_map(lambda a: split(a, len(block)), params["norms"])}
-    for kind in ("attn", "gdn", "mlp", "moe"):
-        if per_block[kind]:
-            xs[kind] = jax.tree_util.tree_map(lambda a, n=per_block[kind]: split(a, n), params[kind])
-    if per_block["attn"]:
-        xs["k"], xs["v"] = split(cache.k, per_block["attn"]), split(cache.v, per_block["attn"])
-    if per_block["gdn"]:
-        xs["conv"], xs["ssm"] = split(cache.conv, per_block["gdn"]), split(cache.ssm, per_block["gdn"])
-
-    def body(h, x):
-        seen = {"attn": 0, "gdn": 0, "mlp": 0, "moe": 0}
-        ys: dict = {"k": [], "v": [], "conv": [], "ssm": [], "windows": [], "states": [], "hidden": []}
-        for p, (mixer, mlp) in enumerate(block):
-            j = seen[mixer]
-            seen[mixer] += 1
-            lp = jax.tree_util.tree_map(lambda a: a[j], x[mixer])
-            xn = zc_rms_norm(h, x["norms"]["in_norm"][p], cfg.rms_norm_eps)
-            if mixer == "attn":
-                out, k_l, v_l = _attn_layer(cfg, lp, xn, x["k"][j], x["v"][j], positions, cache_rows, ctx_len,
-                                            tree_mask, inv_freq)
-                ys["k"].append(k_l)
-                ys["v"].append(v_l)
-            else:
-                out, win, s, per_pos = _gdn_layer(cfg, lp, xn, x["conv"][j], x["ssm"][j], parent=parent,
-                                                  lengths=lengths, keep_states=keep_states, impl=impl,
-                                                  chunk_size=chunk_size)
-                if keep_states:  # the cache keeps its pre-pass recurrent state
-                    ys["windows"].append(per_pos[0])
-                    ys["states"].append(per_pos[1])
-                else:
-                    ys["conv"].append(win)
-                    ys["ssm"].append(s)
-            h = h + out
-            j = seen[mlp]
-            seen[mlp] += 1
-            lp = jax.tree_util.tree_map(lambda a: a[j], x[mlp])
-            xn = zc_rms_norm(h, x["norms"]["mlp_norm"][p], cfg.rms_norm_eps)
-            h = h + (_moe(cfg, lp, xn) if mlp == "moe" else _swiglu(xn, lp["w_gate"], lp["w_up"], lp["w_down"]))
-            if taps:
-                ys["hidden"].append(h)
-        return h, {k: jnp.stack(v) for k, v in ys.items() if v}
-
-    h, ys = jax.lax.scan(body, params["embed"][tokens], xs)
-
-    def merge(y):  # [blocks, per block, ...] -> [L_kind, ...]
-        return y.reshape((-1,) + y.shape[2:])
-
-    new_cache = HybridCache(
-        merge(ys["k"]) if "k" in ys else cache.k, merge(ys["v"]) if "v" in ys else cache.v,
-        merge(ys["conv"]) if "conv" in ys else cache.conv, merge(ys["ssm"]) if "ssm" in ys else cache.ssm,
-    )
-    states = None
-    if keep_states:
-        if "windows" in ys:
-            states = GDNStates(merge(ys["windows"]), merge(ys["states"]))
-        else:  # no GDN layer at all: empty per-position states keep the output structure uniform
-            states = GDNStates(cache.conv[:, :, None].repeat(t, 2), cache.ssm[:, :, None].repeat(t, 2))
-    tapped = merge(ys["hidden"])[jnp.asarray(taps)] if taps else None
-    h = zc_rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return HybridForwardOut(h, new_cache, tapped, states)
+        impl = "chunked" if (tokens.shape[1] > 1 and not keep_states and parent is None) else "recurrent"
+    ps = PassInputs(positions, cache_rows, ctx_len, tree_mask, parent, lengths, jnp.asarray(rope_inv_freq(cfg)),
+                    keep_states, impl, chunk_size)
+    return HybridModel(cfg).apply({"params": to_linen(params)}, tokens, cache, ps, tuple(taps))
 
 
 def logits(params: dict, cfg: HybridConfig, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V]."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+
+# --- modules ------------------------------------------------------------------------------------
+
+
+class HybridLayer(nn.Module):
+    """Layer `index`: its two norms, its mixer (full attention or Gated DeltaNet) and its MLP (dense or
+    MoE), the kinds read from the config; parameters declared once (`jspec.models.declare`)."""
+
+    cfg: HybridConfig
+    index: int
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c, i = self.cfg, self.index
+        pre, d = f"model.layers.{i}.", c.hidden_size
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        p = {"in_norm": decl("in_norm", (d,), ("embed",), "zeros", pre + "input_layernorm.weight"),
+             "mlp_norm": decl("mlp_norm", (d,), ("embed",), "zeros", pre + "post_attention_layernorm.weight")}
+        p.update((_attention_params if c.layer_types[i] == FULL else _gdn_params)(decl, c, pre))
+        p.update((_moe_params if c.mlp_types[i] == "moe" else _mlp_params)(decl, c, pre))
+        self.p = p
+
+    def declare(self):
+        return self.p
+
+    def __call__(self, h, state: tuple, ps: PassInputs):
+        return _layer(self.cfg, self.index, self.p, h, state, ps)
+
+
+class HybridLayers(nn.Module):
+    """Layers "0" .. "L-1" under one name (HF: `model.layers.{i}.`)."""
+
+    cfg: HybridConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.layers = [HybridLayer(self.cfg, i, self.init_std, self.param_dtype, name=str(i))
+                       for i in range(self.cfg.num_layers)]
+
+    def declare(self):
+        return [layer.declare() for layer in self.layers]
+
+
+class HybridModel(nn.Module):
+    """The hybrid decoder: embedding, layers, final norm, LM head (absent when tied)."""
+
+    cfg: HybridConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        d, v = c.hidden_size, c.vocab_size
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        self.embed = decl("embed", (v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")
+        self.final_norm = decl("final_norm", (d,), ("embed",), "zeros", "model.norm.weight")
+        if not c.tie_word_embeddings:
+            self.lm_head = decl("lm_head", (d, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+        self.layers = HybridLayers(c, self.init_std, self.param_dtype, name="layers")
+
+    def declare(self):
+        return self.embed, self.final_norm, self.layers.declare()
+
+    def __call__(self, tokens, cache: HybridCache, ps: PassInputs, taps: tuple[int, ...]) -> HybridForwardOut:
+        cfg = self.cfg
+        h = self.embed[tokens]
+        k, v, conv, ssm = (list(x) for x in (cache.k, cache.v, cache.conv, cache.ssm))
+        windows, states, outputs = [], [], []
+        for i, (layer, j) in enumerate(zip(self.layers.layers, cfg.slots, strict=True)):
+            if cfg.layer_types[i] == FULL:
+                h, (k[j], v[j]), _ = layer(h, (k[j], v[j]), ps)
+            else:
+                h, (window, state), per_position = layer(h, (conv[j], ssm[j]), ps)
+                if ps.keep_states:  # the cache keeps its pre-pass recurrent state (commit_states picks one)
+                    windows.append(per_position[0])
+                    states.append(per_position[1])
+                else:
+                    conv[j], ssm[j] = window, state
+            outputs.append(h)
+        tapped = jnp.stack([outputs[i] for i in taps]) if taps else None
+        h = zc_rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+        new_cache = HybridCache(tuple(k), tuple(v), tuple(conv), tuple(ssm))
+        return HybridForwardOut(h, new_cache, tapped, GDNStates(tuple(windows), tuple(states)) if ps.keep_states
+                                else None)
+
+
+@functools.lru_cache(maxsize=64)  # tracing the declarations is cheap but not free
+def declarations(cfg: HybridConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's declaration (boxes of ShapeDtypeStructs), in jspec's layout."""
+    return from_linen(abstract_tree(HybridModel(cfg, param_dtype=dtype), HybridModel.declare)["params"])
+
+
+def param_shapes(cfg: HybridConfig) -> dict:
+    """Shape of every parameter, in the pytree layout of the module docstring."""
+    return shapes(declarations(cfg))
+
+
+def init_params(cfg: HybridConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random parameters for tests and from-scratch training (transformers' init conventions: normal(std)
+    matrices, zero-centred norms at 0, the gated norm and dt_bias at 1, A_log = log(uniform(0.01, 16)))."""
+    tree = init_tree(HybridModel(cfg, init_std=std, param_dtype=dtype), HybridModel.declare, key)
+    return from_linen(unbox(tree)["params"])

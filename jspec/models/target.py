@@ -51,25 +51,24 @@ def commit_states(cfg, cache, states, index, live):
     if not is_hybrid(cfg):
         return cache
     new = hybrid.commit_states(cache, states, jnp.maximum(index, 0))
-    keep = lambda a, b: jnp.where(live.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
-    return dataclasses.replace(cache, conv=keep(new.conv, cache.conv), ssm=keep(new.ssm, cache.ssm))
+    keep = lambda a, b: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return dataclasses.replace(cache, conv=tuple(map(keep, new.conv, cache.conv)),
+                               ssm=tuple(map(keep, new.ssm, cache.ssm)))
 
 
 def compact_rows(cache, rows, dst, src):
     """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched.
 
-    rows [B, 1] batch indices. Dense caches hold one [B, Hkv, S, Dh] buffer per layer, hybrid ones a
-    stacked [La, B, Hkv, S, Dh] buffer."""
-    if isinstance(cache.k, tuple):
-        move = lambda x: x.at[rows, :, dst].set(x[rows, :, src])
-        return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
-    move = lambda x: x.at[:, rows, :, dst].set(x[:, rows, :, src])
-    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
+    rows [B, 1] batch indices. Dense and hybrid caches hold one [B, Hkv, S, Dh] buffer per attention
+    layer."""
+    move = lambda x: x.at[rows, :, dst].set(x[rows, :, src])
+    return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 def pad_states(states, width: int):
-    """Pad per-position states along the pass axis to `width` (budgeted passes of several widths)."""
+    """Pad per-position states ([B, T, ...] per layer) along the pass axis to `width` (budgeted passes
+    of several widths)."""
     if states is None:
         return None
     return jax.tree_util.tree_map(
-        lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2])] + [(0, 0)] * (x.ndim - 3)), states)
+        lambda x: jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), states)

@@ -6,12 +6,12 @@ all read those declarations. `forward` applies the module to the pytree: inside 
 only traced, so the compiled loop carries plain arrays and pays nothing per call for the framework.
 
 Parameters (a plain nested dict; `layers` is a list with one dict per layer, so that no pass slices a
-weight out of a stacked array; matrices stored [in, out]):
+weight out of a stacked array; matrices stored [out, in] as HF stores them, applied by `linear`):
 
-    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when embeddings are tied)
-    layers[i]: attn_norm [D], wq [D, Hq*Dh], wk/wv [D, Hkv*Dh], wo [Hq*Dh, D],
+    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when embeddings are tied)
+    layers[i]: attn_norm [D], wq [Hq*Dh, D], wk/wv [Hkv*Dh, D], wo [D, Hq*Dh],
                (bq [Hq*Dh], bk/bv [Hkv*Dh] with attention_bias; q_norm/k_norm [Dh] for Qwen3),
-               mlp_norm [D], w_gate/w_up [D, F], w_down [F, D]
+               mlp_norm [D], w_gate/w_up [F, D], w_down [D, F]
 
 The KV cache holds one [B, Hkv, S, Dh] buffer per layer for K and for V: each layer writes its rows in
 place and attention reads only the valid rows (`jspec.models.attention`).
@@ -35,6 +35,12 @@ import numpy as np
 from jspec.models.attention import KV_CHUNK, attend, write_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
+
+
+# The longest pass without a tree mask that attention="pallas" sends through the kernel: decode and
+# chain-verify passes (a query block of T rows per KV head group stays in on-chip memory); prefill
+# passes are longer and use the reference.
+KERNEL_MAX_TOKENS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +78,18 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] times a matrix stored [out, in] (HF's orientation): y = x @ w.T.
+
+    Stored this way because a decode step is a matrix-vector product per weight matrix, and reading
+    each output's weights as one contiguous row is the fast one on XLA:CPU (this CPU, float32, matrices
+    far beyond the caches: 31-32 GB/s for [out, in] against 21-27 GB/s for [in, out], on par with
+    torch's `linear`); XLA:TPU and XLA:GPU contract either orientation without a copy (checked by the
+    deviceless `--aot` compiles). It also makes HF loading a plain read, no transpose.
+    """
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate-half RoPE. x [B, T, H, Dh], positions [B, T]."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
@@ -88,9 +106,9 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, pos
     b, t, _ = h.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    q = x @ lp["wq"]
-    k = x @ lp["wk"]
-    v = x @ lp["wv"]
+    q = linear(x, lp["wq"])
+    k = linear(x, lp["wk"])
+    v = linear(x, lp["wv"])
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(b, t, hq, dh)
@@ -103,21 +121,22 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, pos
     k = rope(k, positions, inv_freq)
 
     k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
-    if tree_mask is not None and attention == "pallas":
+    if attention == "pallas" and (tree_mask is not None or t <= KERNEL_MAX_TOKENS):
         from jspec.kernels import tree  # imported here: jspec.kernels imports this module
 
-        rows_major = lambda c: jnp.swapaxes(c, 1, 2)  # the kernel reads [B, S, Hkv, Dh]
-        attn = tree.layer_attention(q, k, v, rows_major(k_cache), rows_major(v_cache), positions, cache_rows,
-                                    ctx_len, tree_mask, jnp.int32(window))
+        # A chain (or single-token) pass is the tree whose ancestors are the earlier positions.
+        visible = tree_mask if tree_mask is not None else positions[:, None, :] <= positions[:, :, None]
+        attn = tree.layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible,
+                                    jnp.int32(window))
     else:
         attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk)
-    h = h + attn.reshape(b, t, hq * dh) @ lp["wo"]
+    h = h + linear(attn.reshape(b, t, hq * dh), lp["wo"])
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = x @ lp["w_gate"], x @ lp["w_up"]
+    gate, up = linear(x, lp["w_gate"]), linear(x, lp["w_up"])
     if cfg.mlp_bias:
         gate, up = gate + lp["b_gate"], up + lp["b_up"]
-    down = (jax.nn.silu(gate) * up) @ lp["w_down"]
+    down = linear(jax.nn.silu(gate) * up, lp["w_down"])
     if cfg.mlp_bias:
         down = down + lp["b_down"]
     return h + down, k_cache, v_cache
@@ -144,8 +163,11 @@ def forward(
     cache_rows [B, T]: rows that receive the new K/V (default: positions; trees use scratch rows).
     tree_mask [B, T, T] bool: new token i may attend to new token k (ancestors and itself); None =
     causal by position. taps: layer indices whose outputs are returned.
-    attention: "reference" | "pallas" | "auto" (jspec.kernels.resolve): with a tree_mask, "pallas" runs
-    the tree-attention kernel (the mask packed into a per-row ancestor bitmask); otherwise jnp.
+    attention: "reference" | "pallas" | "auto" (jspec.kernels.resolve): "pallas" runs the tree-attention
+    kernel for tree passes (the mask packed into a per-row ancestor bitmask) and for passes of at most
+    KERNEL_MAX_TOKENS tokens (decode and chain verification: the causal mask as the bitmask), so the
+    cache is streamed once per KV head inside one kernel; longer passes (prefill) and "reference" use
+    `jspec.models.attention.attend`.
     kv_chunk: cache rows per attention step (`jspec.models.attention.attend`); None = one block over
     the whole cache (training passes, which differentiate through it).
 
@@ -168,8 +190,8 @@ def forward(
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V]."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, D] either way
+    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
 class DecoderLayer(nn.Module):
@@ -187,14 +209,14 @@ class DecoderLayer(nn.Module):
         decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
         p = {
             "attn_norm": decl("attn_norm", (d,), ("embed",), "ones", pre + "input_layernorm.weight"),
-            "wq": decl("wq", (d, q), ("embed", "heads"), "normal", pre + "self_attn.q_proj.weight", transpose=True),
-            "wk": decl("wk", (d, kv), ("embed", "kv_heads"), "normal", pre + "self_attn.k_proj.weight", transpose=True),
-            "wv": decl("wv", (d, kv), ("embed", "kv_heads"), "normal", pre + "self_attn.v_proj.weight", transpose=True),
-            "wo": decl("wo", (q, d), ("heads", "embed"), "normal", pre + "self_attn.o_proj.weight", transpose=True),
+            "wq": decl("wq", (q, d), ("heads", "embed"), "normal", pre + "self_attn.q_proj.weight"),
+            "wk": decl("wk", (kv, d), ("kv_heads", "embed"), "normal", pre + "self_attn.k_proj.weight"),
+            "wv": decl("wv", (kv, d), ("kv_heads", "embed"), "normal", pre + "self_attn.v_proj.weight"),
+            "wo": decl("wo", (d, q), ("embed", "heads"), "normal", pre + "self_attn.o_proj.weight"),
             "mlp_norm": decl("mlp_norm", (d,), ("embed",), "ones", pre + "post_attention_layernorm.weight"),
-            "w_gate": decl("w_gate", (d, f), ("embed", "mlp"), "normal", pre + "mlp.gate_proj.weight", transpose=True),
-            "w_up": decl("w_up", (d, f), ("embed", "mlp"), "normal", pre + "mlp.up_proj.weight", transpose=True),
-            "w_down": decl("w_down", (f, d), ("mlp", "embed"), "normal", pre + "mlp.down_proj.weight", transpose=True),
+            "w_gate": decl("w_gate", (f, d), ("mlp", "embed"), "normal", pre + "mlp.gate_proj.weight"),
+            "w_up": decl("w_up", (f, d), ("mlp", "embed"), "normal", pre + "mlp.up_proj.weight"),
+            "w_down": decl("w_down", (d, f), ("embed", "mlp"), "normal", pre + "mlp.down_proj.weight"),
         }
         if c.attention_bias:
             p["bq"] = decl("bq", (q,), ("heads",), "zeros", pre + "self_attn.q_proj.bias")
@@ -248,7 +270,7 @@ class Transformer(nn.Module):
         self.embed = decl("embed", (v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")
         self.final_norm = decl("final_norm", (d,), ("embed",), "ones", "model.norm.weight")
         if not c.tie_word_embeddings:
-            self.lm_head = decl("lm_head", (d, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+            self.lm_head = decl("lm_head", (v, d), ("vocab", "embed"), "normal", "lm_head.weight")
         self.layers = LayerStack(c, "model.layers.", self.init_std, self.param_dtype, name="layers")
 
     def declare(self):

@@ -102,7 +102,7 @@ def dspark_train_loss(params, target_params, target_cfg: ModelConfig, cfg: dsp.D
     anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors)
     labels, mask, p_t = block_targets(b_cfg, tokens, loss_mask, target_logp, anchors, valid)
     hidden = drafter_forward(params, b_cfg, params["embed"], taps, tokens, anchors)  # [B, A, g, H]
-    logits = jnp.einsum("bagh,hv->bagv", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bagh,vh->bagv", hidden, params["lm_head"], preferred_element_type=jnp.float32)
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
     prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)  # teacher forcing
     b, a, g, h = hidden.shape
