@@ -140,11 +140,11 @@ def test_hybrid_target_axes_come_from_its_declarations():
     assert jax.tree_util.tree_structure(per_leaf) == jax.tree_util.tree_structure(params)  # every leaf declared
     specs = jax.tree_util.tree_map(lambda s: s.spec, parallel.param_shardings(params, mesh, head_dim=16, axes=axes))
     gdn_layer, attn_layer = specs["layers"]
-    assert attn_layer["wq"] == P("fsdp", "model") and attn_layer["wo"] == P("model", "fsdp")
-    assert attn_layer["wk"] == P("fsdp", None)  # 2 KV heads over model = 4: replicated
+    assert attn_layer["wq"] == P("model", "fsdp") and attn_layer["wo"] == P("fsdp", "model")
+    assert attn_layer["wk"] == P(None, "fsdp")  # 2 KV heads over model = 4: replicated
     # GDN and expert weights: the hidden dimension over fsdp, the rest replicated.
-    assert gdn_layer["w_qkv"] == P("fsdp", None) and gdn_layer["conv"] == P(None, None)
-    assert gdn_layer["e_gate"] == P(None, "fsdp", None) and gdn_layer["router"] == P("fsdp", None)
+    assert gdn_layer["w_qkv"] == P(None, "fsdp") and gdn_layer["conv"] == P(None, None)
+    assert gdn_layer["e_gate"] == P(None, None, "fsdp") and gdn_layer["router"] == P(None, "fsdp")
 
 
 def test_mesh_arguments_are_checked():

@@ -33,10 +33,11 @@ from jspec.models.hybrid import HybridConfig, declarations, load_hybrid_config
 
 KNOWN_EXTRAS = ("mtp.", "model.visual.")
 
-# The checkpoint names of the declarations (`jspec.models.hybrid`) are read here, with three layouts
-# beyond "[out, in], transposed" that the loader converts:
+# The checkpoint names of the declarations (`jspec.models.hybrid`) are read here. A tensor is stored
+# as HF stores it ([out, in] for matrices) unless its declaration says `transpose`; three layouts
+# the loader converts besides:
 # - "{e}" in a name: one tensor per expert, stacked in jspec on a leading expert axis;
-# - conv1d.weight: HF's Conv1d weight [C, 1, K] (jspec: conv [K, C]);
+# - conv1d.weight: HF's Conv1d weight [C, 1, K] (jspec: conv [K, C], the unit axis dropped);
 # - several declarations naming one tensor (Qwen3-Next's in_proj_qkvz, in_proj_ba): their rows,
 #   grouped per key head in the checkpoint (`_split_grouped`).
 
@@ -109,7 +110,7 @@ def _to_jspec(cfg: HybridConfig, group: dict[str, Declared], get) -> dict[str, n
     out = {}
     if _grouped(group):
         rows = _split_grouped(cfg, get(group["w_qkv"].hf), get(group["w_b"].hf))
-        out = {f"w_{n}": rows[n].T for n in rows}
+        out = {f"w_{n}": rows[n] for n in rows}
     for key, decl in group.items():
         if key in out:
             continue
@@ -128,7 +129,7 @@ def _to_hf(cfg: HybridConfig, group: dict[str, Declared], params: dict) -> dict[
     host = {key: np.asarray(jax.device_get(params[key])) for key in group}
     out = {}
     if _grouped(group):
-        qkvz, ba = _join_grouped(cfg, *(host.pop(f"w_{n}").T for n in ("qkv", "z", "b", "a")))
+        qkvz, ba = _join_grouped(cfg, *(host.pop(f"w_{n}") for n in ("qkv", "z", "b", "a")))
         out = {group["w_qkv"].hf: qkvz, group["w_b"].hf: ba}
     for key, arr in host.items():
         decl = group[key]

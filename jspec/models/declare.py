@@ -12,10 +12,11 @@ and its Hugging Face tensor name and orientation. From that one declaration foll
 - shardings: `logical_axes` -> `jspec.parallel.param_shardings`;
 - shapes: `abstract_tree` (`jax.eval_shape`, nothing allocated).
 
-Each declaration fixes its matrix's orientation. Decoder layers (dense targets, small-LM drafters,
-DFlash / DSpark layers), LM heads and DFlash's fc are stored [out, in] as HF stores them
-(`jspec.models.transformer.linear` says why); the DSpark Markov / confidence heads and the hybrid
-targets' matrices are stored [in, out], and `transpose` marks each tensor that HF stores the other way.
+Each declaration fixes its matrix's orientation. Decoder layers (dense and hybrid targets, small-LM
+drafters, DFlash / DSpark layers), LM heads and DFlash's fc are stored [out, in] as HF stores them
+(`jspec.models.transformer.linear` says why); the DSpark Markov / confidence heads are stored
+[in, out], and `transpose` marks each tensor that HF stores the other way (those heads' matrices and
+the hybrid targets' Gated DeltaNet conv taps).
 """
 
 from __future__ import annotations

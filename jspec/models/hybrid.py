@@ -6,20 +6,21 @@ HF name), and `init_params`, `param_shapes`, the HF loader (`jspec.io.hf_hybrid`
 (`jspec.parallel.target_axes`) all read those declarations.
 
 Parameters (a plain nested dict; `layers` is a list with one dict per layer, which holds that layer's
-mixer and MLP leaves; matrices stored [in, out]):
+mixer and MLP leaves; matrices stored [out, in] as HF stores them, applied by `transformer.linear`):
 
-    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when embeddings are tied)
+    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when embeddings are tied)
     layers[i]: in_norm, mlp_norm [D]                               zero-centred: x_hat * (1 + w)
-      full attention: wq [D, Hq*2*Dh] (per head [query Dh | gate Dh]), wk/wv [D, Hkv*Dh],
-                      wo [Hq*Dh, D], q_norm/k_norm [Dh] (zero-centred)
-      Gated DeltaNet: w_qkv [D, C] with C = 2*HK*dk + HV*dv, the conv channels [q | k | v];
-                      w_z [D, HV*dv]; w_b/w_a [D, HV]; conv [K, C]; dt_bias/A_log [HV];
-                      norm [dv] (gated RMSNorm, ones-centred); w_out [HV*dv, D]
+      full attention: wq [Hq*2*Dh, D] (per head [query Dh | gate Dh]), wk/wv [Hkv*Dh, D],
+                      wo [D, Hq*Dh], q_norm/k_norm [Dh] (zero-centred)
+      Gated DeltaNet: w_qkv [C, D] with C = 2*HK*dk + HV*dv, the conv channels [q | k | v];
+                      w_z [HV*dv, D]; w_b/w_a [HV, D]; conv [K, C] (taps first, as `gdn.causal_conv`
+                      reads them: HF's Conv1d weight [C, 1, K] transposed); dt_bias/A_log [HV];
+                      norm [dv] (gated RMSNorm, ones-centred); w_out [D, HV*dv]
                       (one flat layout for both families: the loader converts Qwen3-Next's grouped
                       in_proj_qkvz / in_proj_ba)
-      dense MLP:      w_gate/w_up [D, F], w_down [F, D]
-      MoE:            router [D, E]; e_gate/e_up [E, D, Fe]; e_down [E, Fe, D]; s_gate/s_up [D, Fs],
-                      s_down [Fs, D] (shared expert); shared_gate [D, 1]
+      dense MLP:      w_gate/w_up [F, D], w_down [D, F]
+      MoE:            router [E, D]; e_gate/e_up [E, Fe, D], e_down [E, D, Fe] (each expert [out, in]);
+                      s_gate/s_up [Fs, D], s_down [D, Fs] (shared expert); shared_gate [1, D]
 
 The layers run as an unrolled Python loop over these per-layer weights. Stacking the layers by kind
 and scanning over repeats of the periodic block of kinds would trace a smaller program, but on XLA:GPU
@@ -60,7 +61,7 @@ import numpy as np
 from jspec.models import gdn
 from jspec.models.attention import attend, write_rows
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
-from jspec.models.transformer import from_linen, rope, to_linen
+from jspec.models.transformer import from_linen, linear, rope, to_linen
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_ARCHITECTURES = {
@@ -311,10 +312,10 @@ def _attention_params(decl, cfg: HybridConfig, pre: str) -> dict:
     d, dh = cfg.hidden_size, cfg.head_dim
     q, kv, sa = cfg.num_heads * dh, cfg.num_kv_heads * dh, pre + "self_attn."
     return {
-        "wq": decl("wq", (d, 2 * q), ("embed", "heads"), "normal", sa + "q_proj.weight", transpose=True),
-        "wk": decl("wk", (d, kv), ("embed", "kv_heads"), "normal", sa + "k_proj.weight", transpose=True),
-        "wv": decl("wv", (d, kv), ("embed", "kv_heads"), "normal", sa + "v_proj.weight", transpose=True),
-        "wo": decl("wo", (q, d), ("heads", "embed"), "normal", sa + "o_proj.weight", transpose=True),
+        "wq": decl("wq", (2 * q, d), ("heads", "embed"), "normal", sa + "q_proj.weight"),
+        "wk": decl("wk", (kv, d), ("kv_heads", "embed"), "normal", sa + "k_proj.weight"),
+        "wv": decl("wv", (kv, d), ("kv_heads", "embed"), "normal", sa + "v_proj.weight"),
+        "wo": decl("wo", (d, q), ("embed", "heads"), "normal", sa + "o_proj.weight"),
         "q_norm": decl("q_norm", (dh,), ("head_dim",), "zeros", sa + "q_norm.weight"),
         "k_norm": decl("k_norm", (dh,), ("head_dim",), "zeros", sa + "k_norm.weight"),
     }
@@ -328,29 +329,29 @@ def _gdn_params(decl, cfg: HybridConfig, pre: str) -> dict:
               "b": la + "in_proj_ba.weight", "a": la + "in_proj_ba.weight"}
     else:
         hf = {n: f"{la}in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")}
-    proj = lambda n, width, axis: decl(f"w_{n}", (d, width), ("embed", axis), "normal", hf[n], transpose=True)
+    proj = lambda n, width, axis: decl(f"w_{n}", (width, d), (axis, "embed"), "normal", hf[n])
     return {
         "w_qkv": proj("qkv", c, "gdn_channels"),
         "w_z": proj("z", hv * dv, "gdn_heads"),
         "w_b": proj("b", hv, "gdn_heads"),
         "w_a": proj("a", hv, "gdn_heads"),
-        # The checkpoint's Conv1d weight is [C, 1, K]: transposed, with a unit axis the loader drops.
+        # The checkpoint's Conv1d weight is [C, 1, K]: transposed to [K, C], the layout `gdn.causal_conv`
+        # reads as stored (each tap one contiguous row over the channels), the unit axis dropped.
         "conv": decl("conv", (cfg.linear_conv_kernel_dim, c), (None, "gdn_channels"), "normal",
                      la + "conv1d.weight", transpose=True),
         "dt_bias": decl("dt_bias", (hv,), ("gdn_heads",), "ones", la + "dt_bias"),
         "A_log": decl("A_log", (hv,), ("gdn_heads",), "log_uniform", la + "A_log"),
         "norm": decl("norm", (dv,), ("head_dim",), "ones", la + "norm.weight"),
-        "w_out": decl("w_out", (hv * dv, d), ("gdn_heads", "embed"), "normal", la + "out_proj.weight",
-                      transpose=True),
+        "w_out": decl("w_out", (d, hv * dv), ("embed", "gdn_heads"), "normal", la + "out_proj.weight"),
     }
 
 
 def _mlp_params(decl, cfg: HybridConfig, pre: str) -> dict:
     d, f, m = cfg.hidden_size, cfg.intermediate_size, pre + "mlp."
     return {
-        "w_gate": decl("w_gate", (d, f), ("embed", "mlp"), "normal", m + "gate_proj.weight", transpose=True),
-        "w_up": decl("w_up", (d, f), ("embed", "mlp"), "normal", m + "up_proj.weight", transpose=True),
-        "w_down": decl("w_down", (f, d), ("mlp", "embed"), "normal", m + "down_proj.weight", transpose=True),
+        "w_gate": decl("w_gate", (f, d), ("mlp", "embed"), "normal", m + "gate_proj.weight"),
+        "w_up": decl("w_up", (f, d), ("mlp", "embed"), "normal", m + "up_proj.weight"),
+        "w_down": decl("w_down", (d, f), ("embed", "mlp"), "normal", m + "down_proj.weight"),
     }
 
 
@@ -358,20 +359,17 @@ def _moe_params(decl, cfg: HybridConfig, pre: str) -> dict:
     d, e, m = cfg.hidden_size, cfg.num_experts, pre + "mlp."
     fe, fs = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     # One checkpoint tensor per expert ("{e}"), each [out, in]; jspec stacks them on a leading axis.
-    expert = lambda n, shape, axes: decl(f"e_{n}", shape, axes, "normal", m + "experts.{e}." + n + "_proj.weight",
-                                         transpose=True)
-    shared = lambda n, shape, axes: decl(f"s_{n}", shape, axes, "normal", f"{m}shared_expert.{n}_proj.weight",
-                                         transpose=True)
+    expert = lambda n, shape, axes: decl(f"e_{n}", shape, axes, "normal", m + "experts.{e}." + n + "_proj.weight")
+    shared = lambda n, shape, axes: decl(f"s_{n}", shape, axes, "normal", f"{m}shared_expert.{n}_proj.weight")
     return {
-        "router": decl("router", (d, e), ("embed", "experts"), "normal", m + "gate.weight", transpose=True),
-        "e_gate": expert("gate", (e, d, fe), ("experts", "embed", "expert_mlp")),
-        "e_up": expert("up", (e, d, fe), ("experts", "embed", "expert_mlp")),
-        "e_down": expert("down", (e, fe, d), ("experts", "expert_mlp", "embed")),
-        "s_gate": shared("gate", (d, fs), ("embed", "expert_mlp")),
-        "s_up": shared("up", (d, fs), ("embed", "expert_mlp")),
-        "s_down": shared("down", (fs, d), ("expert_mlp", "embed")),
-        "shared_gate": decl("shared_gate", (d, 1), ("embed", None), "normal", m + "shared_expert_gate.weight",
-                            transpose=True),
+        "router": decl("router", (e, d), ("experts", "embed"), "normal", m + "gate.weight"),
+        "e_gate": expert("gate", (e, fe, d), ("experts", "expert_mlp", "embed")),
+        "e_up": expert("up", (e, fe, d), ("experts", "expert_mlp", "embed")),
+        "e_down": expert("down", (e, d, fe), ("experts", "embed", "expert_mlp")),
+        "s_gate": shared("gate", (fs, d), ("expert_mlp", "embed")),
+        "s_up": shared("up", (fs, d), ("expert_mlp", "embed")),
+        "s_down": shared("down", (d, fs), ("embed", "expert_mlp")),
+        "shared_gate": decl("shared_gate", (1, d), (None, "embed"), "normal", m + "shared_expert_gate.weight"),
     }
 
 
@@ -462,16 +460,16 @@ def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_row
     """Gated full attention. x [B, T, D] (normed); k_cache/v_cache [B, Hkv, S, Dh]."""
     b, t, _ = x.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = (x @ lp["wq"]).reshape(b, t, hq, 2 * dh)
+    qg = linear(x, lp["wq"]).reshape(b, t, hq, 2 * dh)
     q, gate = qg[..., :dh], qg[..., dh:].reshape(b, t, hq * dh)
-    k = (x @ lp["wk"]).reshape(b, t, hkv, dh)
-    v = (x @ lp["wv"]).reshape(b, t, hkv, dh)
+    k = linear(x, lp["wk"]).reshape(b, t, hkv, dh)
+    v = linear(x, lp["wv"]).reshape(b, t, hkv, dh)
     q = _partial_rope(zc_rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
     k = _partial_rope(zc_rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
 
     k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
     attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask).reshape(b, t, hq * dh)
-    return (attn * jax.nn.sigmoid(gate)) @ lp["wo"], k_cache, v_cache
+    return linear(attn * jax.nn.sigmoid(gate), lp["wo"]), k_cache, v_cache
 
 
 def _gdn_layer(cfg: HybridConfig, lp, x, window, state, *, parent, lengths, keep_states, impl, chunk_size):
@@ -482,11 +480,11 @@ def _gdn_layer(cfg: HybridConfig, lp, x, window, state, *, parent, lengths, keep
     b, t, _ = x.shape
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    mixed = x @ lp["w_qkv"]
-    z = (x @ lp["w_z"]).reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(x @ lp["w_b"]).astype(jnp.float32)
+    mixed = linear(x, lp["w_qkv"])
+    z = linear(x, lp["w_z"]).reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(linear(x, lp["w_b"])).astype(jnp.float32)
     g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        (x @ lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
+        linear(x, lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
     if lengths is not None:
         # Padding tokens get g = beta = 0: the state passes through them unchanged (see gdn.py).
         live = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]
@@ -507,12 +505,12 @@ def _gdn_layer(cfg: HybridConfig, lp, x, window, state, *, parent, lengths, keep
     else:
         o, state, states = gdn.gdn_recurrent(q, k, v, g, beta, state, parent=parent, keep_states=keep_states)
     o = gdn.gated_rms_norm(o.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
-    out = o.reshape(b, t, hv * dv) @ lp["w_out"]
+    out = linear(o.reshape(b, t, hv * dv), lp["w_out"])
     return out, window, state, ((windows, states) if keep_states else None)
 
 
 def _swiglu(x, w_gate, w_up, w_down):
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def _moe(cfg: HybridConfig, lp, x):
@@ -525,26 +523,27 @@ def _moe(cfg: HybridConfig, lp, x):
     b, t, d = x.shape
     e, top = cfg.num_experts, cfg.num_experts_per_tok
     xf = x.reshape(b * t, d)
-    logits = xf @ lp["router"]
+    logits = linear(xf, lp["router"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weight, idx = jax.lax.top_k(probs, top)
     if cfg.norm_topk_prob:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     weight = weight.astype(logits.dtype)
     if b * t * top < e:
-        hidden = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", xf, lp["e_gate"][idx])) * jnp.einsum(
-            "nd,nkdf->nkf", xf, lp["e_up"][idx])
-        out = jnp.einsum("nkf,nkfd,nk->nd", hidden, lp["e_down"][idx], weight)
+        hidden = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", xf, lp["e_gate"][idx])) * jnp.einsum(
+            "nd,nkfd->nkf", xf, lp["e_up"][idx])
+        out = jnp.einsum("nkf,nkdf,nk->nd", hidden, lp["e_down"][idx], weight)
     else:
-        # Batched over the experts, so that each expert's matrices are read as stored: contracting
-        # [E, D, Fe] over D with E a free dimension transposes the whole stack first on XLA:CPU.
+        # Batched over the experts, so that each expert's matrices are read as stored: with E a free
+        # dimension of the gate / up products, or [E, D, Fe] contracted over E and Fe together (the
+        # routing weights applied first), XLA:CPU can transpose whole stacks first.
         combine = jnp.zeros((b * t, e), weight.dtype).at[jnp.arange(b * t)[:, None], idx].set(weight)
         xe = jnp.broadcast_to(xf, (e,) + xf.shape)
-        hidden = jax.nn.silu(jnp.einsum("end,edf->enf", xe, lp["e_gate"])) * jnp.einsum("end,edf->enf", xe,
+        hidden = jax.nn.silu(jnp.einsum("end,efd->enf", xe, lp["e_gate"])) * jnp.einsum("end,efd->enf", xe,
                                                                                          lp["e_up"])
-        out = jnp.einsum("enf,efd,ne->nd", hidden, lp["e_down"], combine)
-    # The shared expert's gate is one output column: a product and a sum (as a matmul XLA:CPU copies it).
-    gate = jax.nn.sigmoid(jnp.sum(xf * lp["shared_gate"][:, 0], axis=-1, keepdims=True))
+        out = jnp.einsum("end,ne->nd", jnp.einsum("enf,edf->end", hidden, lp["e_down"]), combine)
+    # The shared expert's gate is one output row: a product and a sum (as a matmul XLA:CPU copies it).
+    gate = jax.nn.sigmoid(jnp.sum(xf * lp["shared_gate"][0], axis=-1, keepdims=True))
     shared = _swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * gate
     return (out + shared).reshape(b, t, d)
 
@@ -656,8 +655,8 @@ def forward(
 
 def logits(params: dict, cfg: HybridConfig, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V]."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, D] either way
+    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
 # --- modules ------------------------------------------------------------------------------------
@@ -718,7 +717,7 @@ class HybridModel(nn.Module):
         self.embed = decl("embed", (v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")
         self.final_norm = decl("final_norm", (d,), ("embed",), "zeros", "model.norm.weight")
         if not c.tie_word_embeddings:
-            self.lm_head = decl("lm_head", (d, v), ("embed", "vocab"), "normal", "lm_head.weight", transpose=True)
+            self.lm_head = decl("lm_head", (v, d), ("vocab", "embed"), "normal", "lm_head.weight")
         self.layers = HybridLayers(c, self.init_std, self.param_dtype, name="layers")
 
     def declare(self):
