@@ -188,7 +188,8 @@ def generate(
     steps-per-second table (see jspec.decode.spec.SpecConfig.sps): the non-anticipating DSpark budget,
     for drafters that report confidences.
     kernels: "reference", "pallas" or "auto" (jspec.kernels) for the DFlash/DSpark draft layers and the
-    tree verify attention; None keeps a Drafter instance's own setting and the reference attention.
+    target's attention in decode and verify passes (plain decoding too); None keeps a Drafter
+    instance's own setting and the reference attention.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
     mesh: None (one device, or the mesh of an enclosing `jspec.parallel.use_mesh` block), or a
@@ -215,7 +216,10 @@ def generate(
     if seeds.shape != (len(prompts),):
         raise ValueError(f"got {seeds.size} seeds for {len(prompts)} prompts: pass one seed per prompt or one int")
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-    dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos)
+    if kernels not in (None, "reference", "pallas", "auto"):
+        raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
+    dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos,
+                           attention=kernels or "reference")
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
     params, fetch = target.params, jax.device_get
     mesh = parallel.active_mesh() if mesh is None else mesh
@@ -236,11 +240,9 @@ def generate(
     else:
         dr, dparams = prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
         sps = _verify_budget(target, dr, verify_budget, len(prompts), cache_size)
-        if kernels not in (None, "reference", "pallas", "auto"):
-            raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
         if kernels is not None and hasattr(dr, "kernels"):
             dr = dataclasses.replace(dr, kernels=kernels)
-        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps, attention=kernels or "reference")
+        scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps)
         if mesh is not None:
             dparams = parallel.place_drafter(dr, dparams, mesh)
         start = time.perf_counter()

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "PATH of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
                          "tokenizer, or builtin:NAME")
     sp.add_argument("--kernels", default="reference", choices=["reference", "pallas", "auto"],
-                    help="draft-layer and tree-attention kernels (auto: Pallas on TPU/GPU, reference on CPU)")
+                    help="draft-layer and target-attention kernels (auto: Pallas on TPU/GPU, reference on CPU)")
     sp.add_argument("--verify-budget", action="store_true",
                     help="DSpark: profile the verify pass and verify only the drafts worth it (non-anticipating)")
     sp.add_argument("--compare", action="store_true",

@@ -90,3 +90,9 @@ def test_chain_verify_with_the_attention_kernel_equals_plain_decoding(setup):
     res = jspec.generate(target, PROMPTS, drafter="lookup", verifier="gumbel", kernels="pallas", **kw)
     assert res.tokens == base.tokens
     assert res.stats["rounds"] < sum(len(t) for t in base.tokens)  # drafts were accepted
+
+
+def test_plain_decoding_with_the_attention_kernel_equals_the_reference(setup):
+    target = setup[0]
+    kw = dict(max_new_tokens=12, sampling=SamplingParams(1.0), seeds=[1, 2, 3], eos_ids=[])
+    assert jspec.generate(target, PROMPTS, kernels="pallas", **kw).tokens == jspec.generate(target, PROMPTS, **kw).tokens

@@ -129,7 +129,7 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
     b = case.batch
     cache_size = case.context
     dcfg = ar.DecodeConfig(max_new_tokens=cache_size - PROMPT_LEN, cache_size=cache_size, sampling=sampling,
-                           eos_ids=tuple(cfg.eos_token_ids))
+                           eos_ids=tuple(cfg.eos_token_ids), attention=kernels)
     inputs = (jax.ShapeDtypeStruct((b, PROMPT_LEN), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
               jax.ShapeDtypeStruct((b,), jnp.uint32))
     row = kv_row_bytes(cfg, 2)
@@ -153,7 +153,7 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
             dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, target_cfg=cfg, kernels=kernels,
                                                                  tree_budget=case.tree), dparams),
                                           sampling, verifier, BLOCK, case.tree, cache_size)
-            scfg = spec.SpecConfig(dcfg, verifier, attention=kernels)
+            scfg = spec.SpecConfig(dcfg, verifier)
             lowered = spec.generate_spec.lower(p_abs, devices.abstract(dparams, dev), cfg, dr, scfg, *args)
             width = dr.num_drafts + 1
             d_row = kv_row_bytes(dc.layers, 2)

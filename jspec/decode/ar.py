@@ -28,6 +28,9 @@ class DecodeConfig:
     sampling: SamplingParams = SamplingParams(temperature=0.0)
     eos_ids: tuple[int, ...] = ()
     scratch_rows: int = 0  # cache rows beyond cache_size for verify passes that reach past the text
+    # The target's attention in decode and verify passes: "reference" | "pallas" | "auto"
+    # (jspec.models.transformer.forward; hybrid targets always use their reference attention).
+    attention: str = "reference"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -124,7 +127,8 @@ def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) ->
     pending = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
     # Finished rows recompute their last K/V row (harmless) but must not advance a recurrent state.
     live = (~state.done).astype(jnp.int32)
-    hidden, cache, _, _ = tm.forward(params, cfg, pending, pos[:, None], state.cache, lengths=live)
+    hidden, cache, _, _ = tm.forward(params, cfg, pending, pos[:, None], state.cache, lengths=live,
+                                     attention=dcfg.attention)
     token, logprob = choose_tokens(tm.logits(params, cfg, hidden[:, 0]), state.seeds, state.length, dcfg.sampling,
                                    cfg.vocab_size)
     state = dataclasses.replace(state, cache=cache, steps=state.steps + 1)

@@ -49,7 +49,6 @@ class SpecConfig:
     decode: ar.DecodeConfig
     verifier: str = "greedy"
     sps: tuple[float, ...] | None = None
-    attention: str = "reference"  # verify passes: "reference" | "pallas" | "auto" (transformer.forward)
 
 
 @jax.tree_util.register_dataclass
@@ -108,7 +107,7 @@ def _verify_pass(params, cfg, drafter, scfg, core, vt):
     recurrent state after every token (hybrid targets) for the commit."""
     positions = core.length[:, None] - 1 + jnp.arange(vt.shape[1])[None]
     hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps,
-                                             keep_states=True, attention=scfg.attention)
+                                             keep_states=True, attention=scfg.decode.attention)
     return tm.logits(params, cfg, hidden), cache, taps, states
 
 
@@ -168,7 +167,7 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, ctx_len=core.length - 1,
                                              cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent),
                                              taps=drafter.taps, parent=pass_parent, keep_states=True,
-                                             attention=scfg.attention)
+                                             attention=scfg.decode.attention)
     logits = tm.logits(params, cfg, hidden)
     logp = served_logprobs(logits, scfg.decode.sampling)
     if scfg.verifier == "greedy":

@@ -11,7 +11,8 @@ Selection: `kernels` / `attention` flags take "reference" | "pallas" | "auto" (`
 (`pallas_setup`): the Mosaic TPU kernels on TPU, the portable `pallas_call` kernels on GPU (lowered
 through Triton; power-of-two hidden size / head_dim), and on CPU the TPU kernels in interpret mode
 (for tests). Where used: `DFlash(kernels=...)` / `dflash.draft_blocks(kernels=...)` for the draft
-layers, `transformer.forward(attention=...)` for tree verification passes.
+layers, `transformer.forward(attention=...)` (`DecodeConfig.attention`) for the target's decode, chain and
+tree verification passes.
 """
 
 from jspec.kernels._backend import KERNELS, pallas_setup, resolve, use_pallas
