@@ -24,10 +24,33 @@ KV_CHUNK = 256  # cache rows per attention step: big enough to amortise the step
 
 
 def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
-    """cache [B, Hkv, S, Dh] with new [B, T, Hkv, Dh] written at rows cache_rows [B, T] (in place under
-    jit when the old cache is dead; rows >= S are dropped)."""
-    batch_idx = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[batch_idx, :, cache_rows].set(new.astype(cache.dtype), mode="drop")
+    """cache [B, Hkv, S, Dh] with new [B, T, Hkv, Dh] written at rows cache_rows [B, T] (T <= S).
+
+    Every pass writes consecutive rows per batch row (cache_rows[b] = start_b + arange(T): prefill,
+    decoding, chain and tree verification, whose nodes take consecutive scratch rows), and that is the
+    contract: only cache_rows[:, 0] is read. Rows >= S are dropped. Each batch row is one
+    read-modify-write of a T-row block by dynamic-update-slice, in place under jit when the old cache
+    is dead: unlike a scatter of rows, it keeps the cache in the [B, Hkv, S, Dh] row-major layout that
+    a Pallas kernel reads (XLA:TPU relays a scattered cache out and back around the kernel: two copies
+    of every layer's cache per pass)."""
+    b, t = cache_rows.shape
+    s = cache.shape[2]
+    if t > s:
+        raise ValueError(f"a pass of {t} tokens does not fit a cache of {s} rows")
+    start = cache_rows[:, 0].astype(jnp.int32)
+    block_start = jnp.clip(start, 0, s - t)  # the block stays inside the cache; rows past it drop out
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, Dh]
+    offset = block_start[:, None] + jnp.arange(t) - start[:, None]  # [B, T]: new token of each block row
+    valid = (offset >= 0) & (offset < t)
+
+    def write(i, cache):
+        old = jax.lax.dynamic_slice(cache, (i, 0, block_start[i], 0), (1,) + cache.shape[1:2] + (t,) + cache.shape[3:])
+        fresh = jnp.take(new[i], jnp.clip(offset[i], 0, t - 1), axis=1)[None]
+        block = jnp.where(valid[i][None, None, :, None], fresh, old)
+        return jax.lax.dynamic_update_slice(cache, block, (i, 0, block_start[i], 0))
+
+    # A loop over the batch rows (unrolled, XLA:CPU copies the cache between the rows' updates).
+    return jax.lax.fori_loop(0, b, write, cache)
 
 
 def visible_rows(ctx_len: jax.Array, cache_rows: jax.Array) -> jax.Array:

@@ -642,6 +642,9 @@ def forward(
     """
     _check_args(cfg, tokens, positions, taps, tree_mask, parent, keep_states, lengths, gdn_impl)
     if cache_rows is None:
+        if tree_mask is not None:
+            raise ValueError("a tree pass needs cache_rows: its nodes' positions repeat across branches, and "
+                             "the cache takes consecutive rows per pass (e.g. ctx_len[:, None] + arange(T))")
         cache_rows = positions
     if ctx_len is None:
         ctx_len = positions[:, 0]

@@ -160,7 +160,8 @@ def forward(
 
     tokens, positions [B, T] int32 (RoPE and masking use positions).
     ctx_len [B]: committed cache rows visible to every new token (default: positions[:, 0]).
-    cache_rows [B, T]: rows that receive the new K/V (default: positions; trees use scratch rows).
+    cache_rows [B, T]: rows that receive the new K/V, consecutive per row (`attention.write_rows`;
+    default: positions, which must then be consecutive; trees pass their scratch rows).
     tree_mask [B, T, T] bool: new token i may attend to new token k (ancestors and itself); None =
     causal by position. taps: layer indices whose outputs are returned.
     attention: "reference" | "pallas" | "auto" (jspec.kernels.resolve): "pallas" runs the tree-attention
@@ -181,6 +182,9 @@ def forward(
 
         attention = resolve(attention)
     if cache_rows is None:
+        if tree_mask is not None:
+            raise ValueError("a tree pass needs cache_rows: its nodes' positions repeat across branches, and "
+                             "the cache takes consecutive rows per pass (e.g. ctx_len[:, None] + arange(T))")
         cache_rows = positions
     if ctx_len is None:
         ctx_len = positions[:, 0]
