@@ -149,3 +149,14 @@ def test_chain_and_decode_passes_with_the_kernel_equal_the_reference_forward():
     assert "pallas_call" not in str(prefill("pallas"))
     assert "pallas_call" in str(jax.make_jaxpr(lambda: transformer.forward(params, cfg, tokens, positions, cache,
                                                                           attention="pallas").hidden)())
+
+
+def test_a_tree_pass_without_cache_rows_is_refused():
+    """Tree nodes' positions repeat across branches, and the cache takes consecutive rows per pass."""
+    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    params = transformer.init_params(cfg, jax.random.key(0))
+    positions = jnp.array([[4, 5, 5]])
+    with pytest.raises(ValueError, match="a tree pass needs cache_rows"):
+        transformer.forward(params, cfg, jnp.zeros((1, 3), jnp.int32), positions, transformer.KVCache.zeros(cfg, 1, 8),
+                            tree_mask=jnp.ones((1, 3, 3), bool))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models import hybrid, transformer
+from jspec.models.attention import write_rows
 
 
 def is_hybrid(cfg) -> bool:
@@ -59,9 +60,10 @@ def commit_states(cfg, cache, states, index, live):
 def compact_rows(cache, rows, dst, src):
     """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched.
 
-    rows [B, 1] batch indices. Dense and hybrid caches hold one [B, Hkv, S, Dh] buffer per attention
-    layer."""
-    move = lambda x: x.at[rows, :, dst].set(x[rows, :, src])
+    rows [B, 1] batch indices; dst consecutive per row (the path's final rows). Dense and hybrid caches
+    hold one [B, Hkv, S, Dh] buffer per attention layer; the rows are gathered (D per row), then written
+    as one block per row by `attention.write_rows` (no scatter: see there)."""
+    move = lambda x: write_rows(x, x[rows, :, src], dst)
     return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
