@@ -44,12 +44,13 @@ def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.A
     valid = (offset >= 0) & (offset < t)
 
     def write(i, cache):
-        old = jax.lax.dynamic_slice(cache, (i, 0, block_start[i], 0), (1,) + cache.shape[1:2] + (t,) + cache.shape[3:])
+        corner = (i, 0, block_start[i], 0)
+        old = jax.lax.dynamic_slice(cache, corner, (1, cache.shape[1], t, cache.shape[3]))
         fresh = jnp.take(new[i], jnp.clip(offset[i], 0, t - 1), axis=1)[None]
         block = jnp.where(valid[i][None, None, :, None], fresh, old)
-        return jax.lax.dynamic_update_slice(cache, block, (i, 0, block_start[i], 0))
+        return jax.lax.dynamic_update_slice(cache, block, corner)
 
-    # A loop over the batch rows (unrolled, XLA:CPU copies the cache between the rows' updates).
+    # A loop over the batch rows, not unrolled: XLA:CPU copied the cache between unrolled rows' updates.
     return jax.lax.fori_loop(0, b, write, cache)
 
 
