@@ -96,19 +96,26 @@ def test_wide_trees_span_bitmask_words_and_head_groups():
     assert_close(got, want, jnp.float32)
 
 
-def test_forward_with_the_tree_kernel_equals_the_reference_forward():
-    """A target tree pass (scratch cache rows from ctx_len on) with sliding and full layers. Cache rows
-    past the prompt hold NaN; row 1's last four nodes fall outside the cache (their writes are dropped,
-    so no query may see them)."""
+def _prefilled(size: int):
+    """A 2-layer target (sliding and full attention) and a cache of `size` rows holding a 36-token
+    prompt per row; rows 36.. hold NaN."""
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, sliding_window=4,
                       layer_types=("sliding_attention", "full_attention"))
     params = transformer.init_params(cfg, jax.random.key(0), std=0.2)
     prompt = jax.random.randint(jax.random.key(1), (2, 36), 0, 64)
-    cache = transformer.KVCache.zeros(cfg, 2, 40)
+    cache = transformer.KVCache.zeros(cfg, 2, size)
     nan_tail = lambda layers: tuple(x.at[:, :, 36:].set(jnp.nan) for x in layers)  # rows 36.. of [B, Hkv, S, Dh]
     cache = dataclasses.replace(cache, k=nan_tail(cache.k), v=nan_tail(cache.v))
     cache = transformer.forward(params, cfg, prompt, jnp.broadcast_to(jnp.arange(36), (2, 36)), cache).cache
+    return cfg, params, cache
+
+
+def test_forward_with_the_tree_kernel_equals_the_reference_forward():
+    """A target tree pass (scratch cache rows from ctx_len on) with sliding and full layers. Cache rows
+    past the prompt hold NaN; row 1's last four nodes fall outside the cache (their writes are dropped,
+    so no query may see them)."""
+    cfg, params, cache = _prefilled(40)
     parent, depth = random_tree(jax.random.key(2), 2, 9)
     ctx_len = jnp.array([11, 34])  # the root (anchor) sits at position ctx_len
     positions = ctx_len[:, None] + jnp.concatenate([jnp.zeros((2, 1), jnp.int32), depth], axis=1)
@@ -126,15 +133,7 @@ def test_chain_and_decode_passes_with_the_kernel_equal_the_reference_forward():
     """Without a tree mask, attention="pallas" runs passes of up to KERNEL_MAX_TOKENS tokens (decode and
     chain verification) through the kernel with the causal mask; rows at different lengths, a sliding
     layer, NaN past the prompt. A longer pass (prefill) takes the reference path."""
-    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, sliding_window=4,
-                      layer_types=("sliding_attention", "full_attention"))
-    params = transformer.init_params(cfg, jax.random.key(0), std=0.2)
-    prompt = jax.random.randint(jax.random.key(1), (2, 36), 0, 64)
-    cache = transformer.KVCache.zeros(cfg, 2, 48)
-    nan_tail = lambda layers: tuple(x.at[:, :, 36:].set(jnp.nan) for x in layers)
-    cache = dataclasses.replace(cache, k=nan_tail(cache.k), v=nan_tail(cache.v))
-    cache = transformer.forward(params, cfg, prompt, jnp.broadcast_to(jnp.arange(36), (2, 36)), cache).cache
+    cfg, params, cache = _prefilled(48)
     for width in (1, 5):
         tokens = jax.random.randint(jax.random.key(width), (2, width), 0, 64)
         positions = jnp.array([[9], [30]]) + jnp.arange(width)[None]  # rows at lengths 9 and 30
