@@ -359,7 +359,9 @@ def test_bench_aot_real_loops_at_a_small_shape(chip, tmp_path):
     assert [r["case"] for r in rows] == ["chain B1 4k greedy", "tree B1 4k greedy", "ar B1 4k greedy"]
     for r in rows:
         b = r["bytes"]
-        assert b["weights"] > 0 and b["kv_reads"] > 0 and b["cache_writes"] > 0 and b["other"] > 0
+        assert b["weights"] > 0 and b["kv_reads"] > 0 and b["other"] > 0
+        if chip == "h200":  # XLA:TPU may keep this tiny model's target caches in VMEM (S(1)) across
+            assert b["cache_writes"] > 0  # rounds, whose writes are on-chip and count zero
         assert b["total"] == pytest.approx(b["weights"] + b["kv_reads"] + b["cache_writes"] + b["other"])
         assert r["ideal"] == r["ideal_weights"] + r["ideal_drafter_head"] + r["ideal_kv"] + r["ideal_writes"] > 0
         if chip == "h200":  # every weight but the gathered embedding is read each round (XLA:TPU keeps

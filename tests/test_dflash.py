@@ -74,9 +74,8 @@ def block_setup(target):
     cfg = _dflash_cfg(target, block=5, layers=1, sliding=4)
     params = dflash_init(cfg, jax.random.key(3), std=0.3)
     taps = jax.random.normal(jax.random.key(4), (2, 1, 16, target.cfg.hidden_size))
-    pos = jnp.arange(16)[None]
     state = DFlashState.zeros(cfg, 1, 24, jnp.float32)
-    state = write_context(params, cfg, state, taps, pos, pos < 16)
+    state = write_context(params, cfg, state, taps, jnp.zeros((1,), jnp.int32), jnp.ones((1, 16), bool))
     return cfg, params, taps, state
 
 
@@ -89,8 +88,7 @@ def _hidden(target, block_setup, state, anchor_pos=12, block_tokens=None):
 def _with_feature(block_setup, position, value):
     cfg, params, taps, state = block_setup
     taps = taps.at[:, :, position].set(value)
-    pos = jnp.arange(16)[None]
-    return write_context(params, cfg, state, taps, pos, pos < 16)
+    return write_context(params, cfg, state, taps, jnp.zeros((1,), jnp.int32), jnp.ones((1, 16), bool))
 
 
 def test_draft_depends_only_on_context_before_the_anchor(target, block_setup):

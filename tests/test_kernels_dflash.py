@@ -70,7 +70,7 @@ def test_kernel_flag_resolution(setup):
     assert [resolve("auto", backend) for backend in ("cpu", "gpu", "tpu")] == ["reference", "pallas", "pallas"]
     assert resolve("pallas", "cpu") == "pallas" and resolve("reference", "tpu") == "reference"
     _, dcfg, dparams = setup
-    ctx = jnp.zeros((2, 1, 16, 2, 16))
+    ctx = jnp.zeros((2, 1, 16, 32))
     with pytest.raises(ValueError, match="unknown kernels setting 'fast'"):
         draft_block(dparams, dcfg, jnp.zeros((128, 64)), ctx, ctx, jnp.array([1]), jnp.array([3]), kernels="fast")
 

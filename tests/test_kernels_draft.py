@@ -40,8 +40,8 @@ def layer_inputs(block, heads, kv_heads, dtype, anchors, hidden=64, mlp=128, hea
     anchors = jnp.asarray(anchors, jnp.int32)  # [B, A]
     b, a = anchors.shape
     h = jax.random.normal(keys[5], (b, a, block, hidden), dtype)
-    shape = (b, CONTEXT, kv_heads, head_dim)
-    junk = (jnp.arange(CONTEXT)[None, :] >= anchors.max(axis=1)[:, None])[:, :, None, None]
+    shape = (b, CONTEXT, kv_heads * head_dim)
+    junk = (jnp.arange(CONTEXT)[None, :] >= anchors.max(axis=1)[:, None])[:, :, None]
     ctx_k = jnp.where(junk, jnp.nan, jax.random.normal(keys[6], shape)).astype(dtype)
     ctx_v = jnp.where(junk, jnp.nan, jax.random.normal(keys[7], shape)).astype(dtype)
     return cfg, (h, lp, ctx_k, ctx_v, anchors)

@@ -33,7 +33,7 @@ def test_kernels_lower_for_the_device_backends(platform, impl, block, dtype, hea
                                 is_leaf=lambda x: isinstance(x, tuple))
     # 4000 rows: not a multiple of the 512-row tile. The draft layer's context cache is rows-major, the
     # target's KV cache (read by tree attention) heads-major.
-    ctx_cache = S((2, 4000, kv_heads, head_dim), dtype)
+    ctx_cache = S((2, 4000, kv_heads * head_dim), dtype)  # the drafter's context cache rows
     kv_cache = S((2, kv_heads, 4000, head_dim), dtype)
     i32 = lambda *shape: S(shape, jnp.int32)
     nodes = 40  # two bitmask words

@@ -145,7 +145,7 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
         if case.loop == "ar":
             lowered = ar.generate_ar.lower(p_abs, cfg, dcfg, *args)
             width, d_rows, d_row = 1, 0, 0
-            cache_bytes = b * cache_size * row
+            cache_bytes = b * dcfg.cache_rows * row
         else:
             dc = dflash_config(cfg)
             dparams = jax.eval_shape(lambda: dflash.init_params(dc, jax.random.key(1), dtype=dtype))
@@ -162,7 +162,7 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
             # DFlash turns its draft slots into logits with the target's (shared) LM head: one more
             # read of the head per round, which the drafter needs.
             info["drafter_head_bytes"] = head
-            cache_bytes = b * (cache_size + width) * (row + d_row)
+            cache_bytes = b * (dataclasses.replace(dcfg, scratch_rows=width).cache_rows * row + (cache_size + width) * d_row)
         start = time.perf_counter()
         compiled = lowered.compile()
     info.update(compile_s=time.perf_counter() - start, width=width, cache_bytes=cache_bytes,

@@ -333,8 +333,7 @@ class Walker:
             buf = _through_bitcasts(comp, out.operands[0])
             if buf.opcode == "parameter":
                 upd = out.operands[2] if out.opcode == "scatter" else out.operands[1]
-                found[int(buf.attr("parameter_value"))] = hbm_bytes(comp.instrs[upd].shape) if \
-                    out.opcode == "dynamic-update-slice" else _leaves(comp.instrs[upd].shape)[0].nbytes
+                found[int(buf.attr("parameter_value"))] = _leaves(comp.instrs[upd].shape)[0].nbytes
         return found
 
     def _effective_read(self, comp: Computation, name: str, outer: tuple = ()) -> float:
@@ -700,15 +699,17 @@ class Walker:
                     out_class = of(o) if isinstance(of(o), str) else OTHER
                     continue
                 reads.append((of(o), self._effective_read(fused, fused.params[k])))
-            if in_place:
+            if in_place:  # the update lands in the buffer's memory: count it where that is device memory
                 rewritten = sum(hbm_bytes(comp.instrs[ins.operands[k]].shape) for k in in_place)
-                write = max(write - rewritten, 0.0) + sum(in_place.values())
+                write = max(write - rewritten, 0.0) + sum(
+                    b for k, b in in_place.items() if hbm_bytes(comp.instrs[ins.operands[k]].shape))
         elif op in _IN_PLACE:
             out_class = of(ins.operands[0]) if isinstance(of(ins.operands[0]), str) else OTHER
             upd = ins.operands[2] if op == "scatter" else ins.operands[1]
             for o in ins.operands[1:]:
                 reads.append((of(o), float(hbm_bytes(comp.instrs[o].shape))))
-            write = float(hbm_bytes(comp.instrs[upd].shape))
+            # Written into the updated buffer (an update held in VMEM still lands in device memory).
+            write = float(_leaves(comp.instrs[upd].shape)[0].nbytes) if hbm_bytes(ins.shape) else 0.0
         elif op in _SLICING:
             reads.append((of(ins.operands[0]), write if hbm_bytes(comp.instrs[ins.operands[0]].shape) else 0.0))
             for o in ins.operands[1:]:
@@ -775,8 +776,9 @@ def decode_loop_bytes(hlo_text: str, weight_min_bytes: int = 1 << 20, trace: boo
 
 
 def memory_stats(compiled) -> dict:
-    """`compiled.memory_analysis()` as a dict of byte counts (argument, output, alias, temp, code)."""
+    """`compiled.memory_analysis()` as a dict of byte counts (argument, output, alias, temp, code, peak:
+    the compiler's simulated heap peak, 0 where the backend does not report it)."""
     ma = compiled.memory_analysis()
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-            "generated_code_size_in_bytes")
+            "generated_code_size_in_bytes", "peak_memory_in_bytes")
     return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}

@@ -49,7 +49,7 @@ def draft_inputs(cfg, block: int, context: int, dtype):
     keys = jax.random.split(jax.random.key(0), 4)
     lp = jax.tree_util.tree_map(lambda x: x.astype(dtype),
                                 transformer.init_params(cfg, keys[0], std=0.05)["layers"][0])
-    kv = (1, context + 64, cfg.num_kv_heads, cfg.head_dim)
+    kv = (1, context + 64, cfg.num_kv_heads * cfg.head_dim)  # rows of the drafter's context cache
     return (jax.random.normal(keys[1], (1, 1, block, cfg.hidden_size), dtype), lp,
             jax.random.normal(keys[2], kv, dtype), jax.random.normal(keys[3], kv, dtype))
 
@@ -82,7 +82,7 @@ def aot_case(kernel: str, impl: str, dtype, *, context: int = AOT_CONTEXT, batch
     if kernel == "draft":
         lp = jax.tree_util.tree_map(lambda shape: sds(shape, dtype), transformer.layer_shapes(cfg),
                                     is_leaf=lambda x: isinstance(x, tuple))
-        ctx = sds((batch, context, cfg.num_kv_heads, cfg.head_dim), dtype)  # the drafter's context cache
+        ctx = sds((batch, context, cfg.num_kv_heads * cfg.head_dim), dtype)  # the drafter's context cache
         args = (sds((batch, 1, AOT_BLOCK, cfg.hidden_size), dtype), lp, ctx, ctx, i32(batch, 1), i32())
         if impl == "reference":
             call = lambda *a: ref_draft_layer(*a, cfg)

@@ -19,6 +19,13 @@ from jspec.verify import noise
 from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
 
 
+# Cache rows come in multiples of 16 (never read past the text, so they cost nothing but memory): with
+# an unaligned row count, XLA:TPU's compact layout of a [B, Hkv, S, Dh] cache is rows-major (no
+# padding of S to its 8- or 16-row tile), and a loop whose kernels read it heads-major relays every
+# cache at the program's end, a second copy of the caches in temp memory.
+CACHE_ROW_ALIGN = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Static settings of one compiled generation (hashable: a jit static argument)."""
@@ -35,6 +42,11 @@ class DecodeConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows of the target's KV cache: cache_size + scratch_rows rounded up to CACHE_ROW_ALIGN."""
+        return -(-(self.cache_size + self.scratch_rows) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
 
 
 @jax.tree_util.register_dataclass
@@ -107,7 +119,7 @@ def prefill(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, s
     Returns (state, taps [n_taps, B, P, D] or None).
     """
     b, p = prompts.shape
-    cache = tm.init_cache(cfg, b, dcfg.cache_size + dcfg.scratch_rows, params["embed"].dtype)
+    cache = tm.init_cache(cfg, b, dcfg.cache_rows, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     hidden, cache, tapped, _ = tm.forward(params, cfg, prompts, positions, cache, taps=taps, lengths=prompt_len)
     last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]

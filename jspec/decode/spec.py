@@ -92,9 +92,13 @@ def ancestor_mask(parent: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, n, add, anc)
 
 
-def _report_logp(logits: jax.Array, logp: jax.Array, greedy: bool) -> jax.Array:
-    """What `logprobs` reports: the served log-prob, or the model's own log-softmax when greedy."""
-    return jax.nn.log_softmax(logits, axis=-1) if greedy else logp
+def _log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax(logits)[..., tokens] by its own arithmetic (the same bits), without a
+    vocabulary-sized buffer per verify row: what `logprobs` reports under greedy decoding (the served
+    distribution is a point mass; the model's own log-prob is the informative number)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    shifted = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - top[..., 0]
+    return shifted - jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
 
 
 def width_buckets(g: int) -> tuple[int, ...]:
@@ -148,8 +152,8 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     i = jnp.arange(g + 1)[None]
     drafts = jnp.concatenate([prop.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
-    report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
-    emitted_logp = jnp.take_along_axis(report, emitted[..., None], axis=-1)[..., 0]
+    emitted_logp = (_log_softmax_at(logits, emitted) if scfg.decode.sampling.greedy
+                    else jnp.take_along_axis(logp, emitted[..., None], axis=-1)[..., 0])
     verified = jnp.full((b,), g, jnp.int32) if lengths is None else lengths
     state_index = jnp.arange(g + 1)[None].repeat(b, 0)  # pass token i carries the state after draft i
     return res.n, emitted, emitted_logp, cache, taps, verified, states, state_index
@@ -188,12 +192,12 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     emitted = jnp.where(jnp.arange(depth_max + 1)[None] == res.n[:, None], res.token[:, None], emitted)
     # Verify row whose distribution chose emitted token j: the anchor's for j = 0, else the parent node's.
     src_row = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), safe_path + 1], axis=1)
-    report = _report_logp(logits, logp, scfg.decode.sampling.greedy)
-    emitted_logp = jnp.take_along_axis(report[rows, src_row], emitted[..., None], axis=-1)[..., 0]
+    emitted_logp = (_log_softmax_at(logits[rows, src_row], emitted) if scfg.decode.sampling.greedy
+                    else logp[rows, src_row, emitted])
     # Compact the accepted path: node path[j] (row length + path[j]) moves to row length + j.
     dst = core.length[:, None] + j
     src = jnp.where(on_path, core.length[:, None] + safe_path, dst)
-    cache = tm.compact_rows(cache, rows, dst, src)
+    cache = tm.compact_rows(cache, dst, src, core.length, n_nodes)  # every src is a node row
     taps = None if taps is None else taps[:, rows, src_row]
     # Pass token carrying the state after emitted-order position j: the anchor, then the path nodes.
     return (res.n, emitted, emitted_logp, cache, taps, jnp.full((b,), n_nodes, jnp.int32), states, src_row)

@@ -37,7 +37,7 @@ from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, Prefi
 from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
 from jspec.models import transformer
-from jspec.models.attention import KV_CHUNK
+from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 
@@ -121,7 +121,8 @@ def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
 
 
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
-    """Context K, V of the fused features at `positions` [B, T]: per layer [B, T, Hkv, Dh] (tuples)."""
+    """Context K, V of the fused features at `positions` [B, T]: per layer [B, T, Hkv * Dh] (tuples;
+    heads flattened, the layout the fused draft kernels read)."""
     lc = cfg.layers
     h_ctx = fuse(params, cfg, taps)
     b, t, _ = h_ctx.shape
@@ -130,8 +131,7 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
     def one(lp):
         k = transformer.linear(h_ctx, lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
         k = transformer.rope(transformer.rms_norm(k, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
-        v = transformer.linear(h_ctx, lp["wv"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
-        return k, v
+        return k.reshape(b, t, -1), transformer.linear(h_ctx, lp["wv"])
 
     ks, vs = zip(*(one(lp) for lp in params["layers"]))
     return ks, vs
@@ -143,7 +143,7 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
-    ctx_k, ctx_v: per layer [B, S, Hkv, Dh] context rows (positions = row index). Block a sees context rows
+    ctx_k, ctx_v: per layer [B, S, Hkv * Dh] context rows (positions = row index). Block a sees context rows
     strictly before its anchor (sliding layers: and j >= anchor + i - (W_s - 1) for slot i) and its
     own block, bidirectionally; never another block. Rows no block may see are zeroed, so whatever
     they hold (rejected or unwritten memory) cannot leak.
@@ -188,24 +188,23 @@ def draft_slots(hidden: jax.Array, cfg: DFlashConfig) -> jax.Array:
 class DFlashState:
     """The context cache: one buffer per draft layer (a slice of a stacked one is a copy per round)."""
 
-    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, Dh] context keys at committed positions
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv * Dh] context keys at committed positions
     v: tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, cfg: DFlashConfig, batch: int, size: int, dtype) -> "DFlashState":
         lc = cfg.layers
-        shape = (batch, size, lc.num_kv_heads, lc.head_dim)
+        shape = (batch, size, lc.num_kv_heads * lc.head_dim)
         return cls(tuple(jnp.zeros(shape, dtype) for _ in range(lc.num_layers)),
                    tuple(jnp.zeros(shape, dtype) for _ in range(lc.num_layers)))
 
 
-def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, positions, keep) -> DFlashState:
-    """Project taps [n, B, T, H] at positions [B, T] into the context cache where keep [B, T]."""
+def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, start, keep) -> DFlashState:
+    """Project taps [n, B, T, H] at positions start[b] + 0..T-1 into the context cache where keep
+    [B, T]: one block write per row and layer (`attention.write_block`), in place."""
+    positions = start[:, None] + jnp.arange(taps.shape[2])[None]
     k, v = context_kv(params, cfg, taps, positions)
-    s = state.k[0].shape[1]
-    rows = jnp.where(keep, positions, s)  # out of range: dropped
-    b_idx = jnp.arange(positions.shape[0])[:, None]
-    write = lambda cache, new: tuple(c.at[b_idx, rows].set(n.astype(c.dtype), mode="drop") for c, n in zip(cache, new))
+    write = lambda cache, new: tuple(write_block(c, n, start, axis=1, keep=keep) for c, n in zip(cache, new))
     return DFlashState(write(state.k, k), write(state.v, v))
 
 
@@ -249,9 +248,9 @@ class DFlash(Drafter):
     def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> DFlashState:
         b, p = prefill.prompts.shape
         state = DFlashState.zeros(self.cfg, b, cache_size, dparams["fc"].dtype)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         # Committed after prefill: the prompt (the first new token is the pending anchor).
-        return write_context(dparams, self.cfg, state, prefill.taps, positions, positions < prefill.prompt_len[:, None])
+        keep = jnp.arange(p)[None] < prefill.prompt_len[:, None]
+        return write_context(dparams, self.cfg, state, prefill.taps, jnp.zeros((b,), jnp.int32), keep)
 
     def logits(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
         """Per-draft logits [B, g, V] for the block after each row's anchor."""
@@ -273,10 +272,9 @@ class DFlash(Drafter):
         return Proposal(drafts, logp if self.mode == SAMPLE else None), state
 
     def commit(self, dparams, state: DFlashState, info: CommitInfo) -> DFlashState:
-        t = info.taps.shape[2]
-        positions = info.old_length[:, None] - 1 + jnp.arange(t)[None]
-        keep = positions < info.new_length[:, None] - 1
-        return write_context(dparams, self.cfg, state, info.taps, positions, keep)
+        start = info.old_length - 1
+        keep = start[:, None] + jnp.arange(info.taps.shape[2])[None] < info.new_length[:, None] - 1
+        return write_context(dparams, self.cfg, state, info.taps, start, keep)
 
 
 def validate_against_target(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:

@@ -8,18 +8,10 @@ from typing import Any
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from jspec.platform import compile_backend
+
 KERNELS = ("reference", "pallas", "auto")
 IMPLS = ("tpu", "portable")
-
-
-def compile_backend() -> str:
-    """The platform programs are compiled for: that of the default device when one is set (a
-    deviceless compile for a TPU or an H200 sets a compile-only device of that chip, while
-    `jax.default_backend()` stays "cpu"), else `jax.default_backend()`."""
-    device = jax.config.jax_default_device
-    platform = getattr(device, "platform", None) if device is not None and not isinstance(device, str) else device
-    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    return platform or jax.default_backend()
 
 
 def resolve(kernels: str, backend: str | None = None) -> str:

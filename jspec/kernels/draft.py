@@ -36,8 +36,8 @@ The [rows, F] activations and q / k / v / attention outputs are the only interme
 Shapes: h [B, A, W, D] (A blocks of W slots per row; block a sits at positions anchor_pos[b, a] + i),
 one layer's parameters lp (matrices stored [out, in], as `transformer.linear` applies them:
 wq [Hq*Dh, D], wk / wv [Hkv*Dh, D], wo [D, Hq*Dh], w_gate / w_up [F, D], w_down [D, F]; q_norm / k_norm
-[Dh], attn_norm / mlp_norm [D]), the layer's context cache ctx_k / ctx_v [B, S, Hkv, Dh] (row =
-position), anchor_pos [B, A], window: int32 scalar (0 = full).
+[Dh], attn_norm / mlp_norm [D]), the layer's context cache ctx_k / ctx_v [B, S, Hkv * Dh] (row =
+position, heads flattened), anchor_pos [B, A], window: int32 scalar (0 = full).
 Context row j is visible to slot i of a block anchored at p iff j < p and (window == 0 or
 j > p + i - window); rows >= p are never read into the result. Block slots see each other without a
 window. `draft_layer` runs the kernels under a `custom_vjp` whose backward pass is the reference's,
@@ -101,8 +101,9 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
         mask = (rows[None, None, :] < anchors[:, :, None]) & (
             (window == 0) | (rows[None, None, :] >= positions[:, :, None] - (window - 1)))
         seen = jnp.any(mask, axis=1)  # [B, C]
-        keys = jnp.where(seen[:, :, None, None], jax.lax.dynamic_slice_in_dim(ctx_k, start, size, axis=1), 0)
-        vals = jnp.where(seen[:, :, None, None], jax.lax.dynamic_slice_in_dim(ctx_v, start, size, axis=1), 0)
+        rows_of = lambda c: jax.lax.dynamic_slice_in_dim(c, start, size, axis=1).reshape(b, size, hkv, dh)
+        keys = jnp.where(seen[:, :, None, None], rows_of(ctx_k), 0)
+        vals = jnp.where(seen[:, :, None, None], rows_of(ctx_v), 0)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
         return jnp.where(mask[:, None, None], scores, -jnp.inf), vals
 
@@ -166,7 +167,7 @@ def draft_stack(params: dict, cfg: ModelConfig, embed: jax.Array, ctx_k: jax.Arr
     """`dflash.draft_blocks` with every layer fused: final-normed hidden states [B, A, W, D].
 
     params: the drafter's parameters (per-layer `layers`, `norm`); cfg: its layer stack's config;
-    ctx_k / ctx_v [Ld, B, S, Hkv, Dh]; block_tokens [B, A, W]; options: as `draft_layer`."""
+    ctx_k / ctx_v per layer [B, S, Hkv * Dh]; block_tokens [B, A, W]; options: as `draft_layer`."""
     h = embed[block_tokens]
     for i, lp in enumerate(params["layers"]):
         h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg, **options)
@@ -216,7 +217,7 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
         jnp.cos(emb).astype(dt), jnp.sin(emb).astype(dt),
         row(lp["attn_norm"]), row(lp["q_norm"]), row(lp["k_norm"]), jnp.asarray(_tiles.rotation(dh, dt)),
         lp["wq"], lp["wk"], lp["wv"], lp["wo"],
-        ctx_k.reshape(b, s, hkv * dh), ctx_v.reshape(b, s, hkv * dh),
+        ctx_k, ctx_v,
     )
     common = dict(cfg=cfg, a=a, w=w, dt=dt)
     mlp = (row(lp["mlp_norm"]), lp["w_gate"], lp["w_up"], lp["w_down"])

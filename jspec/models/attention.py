@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jspec.platform import compile_backend
+
 KV_CHUNK = 256  # cache rows per attention step: big enough to amortise the step, small enough to skip
 
 
@@ -28,30 +30,84 @@ def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.A
 
     Every pass writes consecutive rows per batch row (cache_rows[b] = start_b + arange(T): prefill,
     decoding, chain and tree verification, whose nodes take consecutive scratch rows), and that is the
-    contract: only cache_rows[:, 0] is read. Rows >= S are dropped. Each batch row is one
-    read-modify-write of a T-row block by dynamic-update-slice, in place under jit when the old cache
-    is dead: unlike a scatter of rows, it keeps the cache in the [B, Hkv, S, Dh] row-major layout that
-    a Pallas kernel reads (XLA:TPU relays a scattered cache out and back around the kernel: two copies
-    of every layer's cache per pass)."""
-    b, t = cache_rows.shape
-    s = cache.shape[2]
+    contract: only cache_rows[:, 0] is read. Rows >= S are dropped (`write_block`)."""
+    return write_block(cache, jnp.swapaxes(new, 1, 2), cache_rows[:, 0], axis=2)
+
+
+UNROLL_MAX_ROWS = 64  # batch rows up to which XLA:TPU gets one block slice / update per row (see write_block)
+
+
+def _per_row(batch: int) -> bool:
+    return compile_backend() == "tpu" and batch <= UNROLL_MAX_ROWS
+
+
+def _blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int):
+    """(corners [B, 2], block shape): each batch row's T-row block along `axis` from block_start."""
+    corners = jnp.stack([jnp.arange(cache.shape[0], dtype=jnp.int32), block_start], axis=1)
+    return corners, (1,) + cache.shape[1:axis] + (t,) + cache.shape[axis + 1:]
+
+
+def _corner(cache: jax.Array, i: int, first, axis: int) -> tuple:
+    return (i,) + (0,) * (axis - 1) + (first,) + (0,) * (cache.ndim - axis - 1)
+
+
+_IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS  # every block was clipped into the cache
+
+
+def _read_blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int) -> jax.Array:
+    corners, size = _blocks(cache, block_start, axis, t)
+    if _per_row(cache.shape[0]):
+        return jnp.concatenate([jax.lax.dynamic_slice(cache, _corner(cache, i, block_start[i], axis), size)
+                                for i in range(cache.shape[0])], axis=0)
+    return jax.lax.gather(cache, corners, jax.lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(1, cache.ndim)), collapsed_slice_dims=(0,), start_index_map=(0, axis)), size,
+        indices_are_sorted=True, mode=_IN_BOUNDS)
+
+
+def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
+                keep: jax.Array | None = None) -> jax.Array:
+    """cache [B, ...] with the T rows of new (cache's rank, T along `axis`) written at rows start[b] +
+    0..T-1 of that axis, where keep [B, T] (default: all); rows past the cache are dropped.
+
+    Each batch row's T-row block is read, merged and written back whole, in place under jit when the
+    old cache is dead. A scatter of single rows would make XLA:TPU keep the cache in a row-scatter
+    layout and relay it out and back around every Pallas kernel that reads it (two copies of every
+    layer's cache per pass). How the blocks move is the one choice per platform that keeps every cache
+    in place (checked in the optimized HLO: tests/test_bandwidth_hlo.py on CPU, `jspec bench --aot` for
+    TPU and GPU): on TPU one dynamic slice / update per batch row, unrolled up to UNROLL_MAX_ROWS rows
+    (XLA:TPU lays a windowed scatter's cache out batch-minor, and copies a cache carried through a loop
+    over rows); elsewhere, and for larger batches, one windowed gather and scatter of all rows' blocks
+    (XLA:CPU copies the cache between unrolled updates)."""
+    b, t, s = cache.shape[0], new.shape[axis], cache.shape[axis]
     if t > s:
         raise ValueError(f"a pass of {t} tokens does not fit a cache of {s} rows")
-    start = cache_rows[:, 0].astype(jnp.int32)
+    start = start.astype(jnp.int32)
     block_start = jnp.clip(start, 0, s - t)  # the block stays inside the cache; rows past it drop out
-    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, Dh]
-    offset = block_start[:, None] + jnp.arange(t) - start[:, None]  # [B, T]: new token of each block row
+    offset = block_start[:, None] + jnp.arange(t) - start[:, None]  # [B, T]: new row of each block row
     valid = (offset >= 0) & (offset < t)
+    if keep is not None:
+        valid &= jnp.take_along_axis(keep, jnp.clip(offset, 0, t - 1), axis=1)
+    along = (slice(None),) + (None,) * (axis - 1) + (slice(None),) + (None,) * (cache.ndim - axis - 1)
+    fresh = jnp.take_along_axis(new.astype(cache.dtype), jnp.clip(offset, 0, t - 1)[along], axis=axis)
+    block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, t))
+    if _per_row(b):
+        for i in range(b):
+            cache = jax.lax.dynamic_update_slice(cache, block[i:i + 1], _corner(cache, i, block_start[i], axis))
+        return cache
+    corners, _ = _blocks(cache, block_start, axis, t)
+    return jax.lax.scatter(cache, corners, block, jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(1, cache.ndim)), inserted_window_dims=(0,),
+        scatter_dims_to_operand_dims=(0, axis)), indices_are_sorted=True, unique_indices=True, mode=_IN_BOUNDS)
 
-    def write(i, cache):
-        corner = (i, 0, block_start[i], 0)
-        old = jax.lax.dynamic_slice(cache, corner, (1, cache.shape[1], t, cache.shape[3]))
-        fresh = jnp.take(new[i], jnp.clip(offset[i], 0, t - 1), axis=1)[None]
-        block = jnp.where(valid[i][None, None, :, None], fresh, old)
-        return jax.lax.dynamic_update_slice(cache, block, corner)
 
-    # A loop over the batch rows, not unrolled: XLA:CPU copied the cache between unrolled rows' updates.
-    return jax.lax.fori_loop(0, b, write, cache)
+def read_rows(cache: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """[B, Hkv, width, Dh]: each batch row's cache rows start[b] .. start[b] + width - 1 (clipped to
+    the cache), read as one block per row (a gather of single rows would make XLA:TPU keep the cache
+    in a row-gather layout: see `write_block`)."""
+    s = cache.shape[2]
+    if width > s:
+        raise ValueError(f"a block of {width} rows does not fit a cache of {s} rows")
+    return _read_blocks(cache, jnp.clip(start.astype(jnp.int32), 0, s - width), 2, width)
 
 
 def visible_rows(ctx_len: jax.Array, cache_rows: jax.Array) -> jax.Array:

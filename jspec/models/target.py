@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models import hybrid, transformer
-from jspec.models.attention import write_rows
+from jspec.models.attention import read_rows, write_rows
 
 
 def is_hybrid(cfg) -> bool:
@@ -57,13 +57,20 @@ def commit_states(cfg, cache, states, index, live):
                                ssm=tuple(map(keep, new.ssm, cache.ssm)))
 
 
-def compact_rows(cache, rows, dst, src):
+def compact_rows(cache, dst, src, start, span: int):
     """Copy attention K/V rows src -> dst [B, D] (tree path compaction); recurrent state untouched.
 
-    rows [B, 1] batch indices; dst consecutive per row (the path's final rows). Dense and hybrid caches
-    hold one [B, Hkv, S, Dh] buffer per attention layer; the rows are gathered (D per row), then written
-    as one block per row by `attention.write_rows` (no scatter: see there)."""
-    move = lambda x: write_rows(x, x[rows, :, src], dst)
+    dst is consecutive per row (the path's final rows) and every src lies in the span rows start[b] ..
+    start[b] + span - 1 (the tree pass's rows). Dense and hybrid caches hold one [B, Hkv, S, Dh] buffer
+    per attention layer; each row reads its span as one block (`attention.read_rows`), picks the path
+    from it and writes the path back as one block (`attention.write_rows`): no gather or scatter over
+    the cache (see there)."""
+    def move(x):
+        first = jnp.clip(start, 0, x.shape[2] - span)  # where read_rows starts each row's block
+        pick = (src - first[:, None])[:, None, :, None]  # [B, 1, D, 1] rows within the block
+        path = jnp.take_along_axis(read_rows(x, first, span), pick, axis=2)  # [B, Hkv, D, Dh]
+        return write_rows(x, jnp.swapaxes(path, 1, 2), dst)
+
     return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
