@@ -126,6 +126,19 @@ def test_jit_matches_eager_and_the_jitted_reference(case):
     assert np.isfinite(jitted).any(-1).all() and not np.isnan(jitted).any()
 
 
+def test_a_point_mass_under_jit_keeps_its_token():
+    # At temperature 1e-3 these rows put all their mass on one token (log-prob exactly 0.0). The search
+    # used to settle on a subnormal threshold that one fused kernel flushed to zero and the final mask
+    # compared exactly: under jit on XLA:CPU rows 0, 4 and 5 came back all NaN.
+    logits = jnp.asarray(np.array([[1e4, 30], [0, -30], [0, -1e4], [-1e4, -1e4], [-30, 1e4], [30, -np.inf]],
+                                  np.float32))
+    params = SamplingParams(temperature=1e-3, top_p=0.9)
+    jitted = np.asarray(_new_jit(logits, params))
+    np.testing.assert_array_equal(jitted, np.asarray(_served_logprobs_sorted(logits, params)))
+    np.testing.assert_array_equal(jitted[[0, 1, 2, 5]], [[0.0, -np.inf]] * 4)
+    np.testing.assert_array_equal(jitted[4], [-np.inf, 0.0])
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4])
 def test_top_k_ties_follow_float_comparison(top_k):
     # -0.0 == +0.0, and the backend may compare subnormals as zero: the reference thresholds with

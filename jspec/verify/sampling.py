@@ -65,8 +65,10 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     order-preserving int32 image of float32 that settles 4 bits per pass over the row (8 passes, each
     testing 15 candidate thresholds at once).
 
-    Exactness. All comparisons are the float comparisons `x >= t` of the backend (they may treat
-    subnormals as zero; the argument below only needs a total preorder consistent with <= on floats).
+    Exactness. All comparisons are the float comparisons `x >= t` of the backend, on values whose
+    subnormals were flushed to zero first and against thresholds that are never subnormal
+    (`flush_subnormals`: backends may flush them in one fused kernel and not in another); the argument
+    below only needs a total preorder consistent with <= on floats.
     - top-k: c(t) = #{i : x_i >= t} is a non-increasing integer function of t. Let x_k be the k-th
       largest value. For t comparing equal to x_k, c(t) >= k; for t strictly above x_k only tokens
       strictly above x_k count, and there are fewer than k of them. So the largest float t* with
@@ -93,7 +95,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     if params.greedy:
         best = jnp.argmax(logits, axis=-1)
         return jnp.where(jax.nn.one_hot(best, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
-    logits = logits / params.temperature
+    logits = flush_subnormals(logits / params.temperature)
     if 0 < params.top_k < vocab:
         logits = jax.lax.optimization_barrier(logits)
         if params.top_k == 1:
@@ -103,7 +105,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     logp = jax.nn.log_softmax(logits, axis=-1)
     if params.top_p < 1.0:
-        logp = jax.lax.optimization_barrier(logp)
+        logp = jax.lax.optimization_barrier(flush_subnormals(logp))
         probs = jax.lax.optimization_barrier(jnp.exp(logp))
         cut = _top_p_cut(logp, probs, params.top_p)
         logits = jnp.where(logp >= cut, logits, -jnp.inf)
@@ -137,6 +139,17 @@ _KEY_NEG_INF = -0x7F800000
 _KEY_POS_INF = 0x7F800000
 
 
+_KEY_TINY = 0x00800000  # key of the smallest normal float32
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """x with subnormal entries set to 0. Backends may flush subnormals in some fused kernels and not
+    in others (XLA:CPU did, under jit: a top-p search settled on a subnormal threshold that the final
+    mask then compared exactly, keeping nothing), so thresholds are searched and applied on flushed
+    values only, and `_bisect_threshold` never proposes a subnormal threshold."""
+    return jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, jnp.zeros_like(x), x)
+
+
 def _key_to_float(key: jax.Array) -> jax.Array:
     """float32 [...] whose order is the order of int32 key [...] in [_KEY_NEG_INF, _KEY_POS_INF].
 
@@ -144,6 +157,7 @@ def _key_to_float(key: jax.Array) -> jax.Array:
     negative float (so -0.0 has no key of its own: it equals +0.0).
     """
     key = jnp.clip(key, _KEY_NEG_INF, _KEY_POS_INF)
+    key = jnp.where(jnp.abs(key) < _KEY_TINY, 0, key)  # subnormal magnitudes are 0 (see flush_subnormals)
     bits = jnp.where(key < 0, (-key) | jnp.int32(-0x80000000), key)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -187,12 +201,13 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
     if params.greedy:
         best = jnp.argmax(logits, axis=-1)
         return jnp.where(jax.nn.one_hot(best, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
-    logits = logits / params.temperature
+    logits = flush_subnormals(logits / params.temperature)
     if 0 < params.top_k < vocab:
         kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     logp = jax.nn.log_softmax(logits, axis=-1)
     if params.top_p < 1.0:
+        logp = flush_subnormals(logp)
         # Comparisons happen in sorted order and map back by index, so no recomputed copy of
         # log_softmax is ever compared with a threshold taken from the sorted one.
         index = jnp.broadcast_to(jnp.arange(vocab), logp.shape)
