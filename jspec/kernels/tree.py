@@ -17,9 +17,10 @@ Kernels: "tpu" (Mosaic TPU: grid (batch, kv-head group, cache tile), the cache s
 [window start, ctx_len) skipped without DMA, online softmax in VMEM scratch; tile rows and KV heads per
 step from the generation's `TPU_TILES` budget: at Qwen3-8B shape on v5p, 8 heads x 1024 rows x 128 x 2 B
 = 2 MiB per K tile, K + V double-buffered 8 MiB) and "portable" (the GPU variant, lowered through
-Triton: grid (batch, q head), each program walks its KV head's contiguous [S, Dh] cache slab in tiles
-of kv_rows rows [64 bf16 / 32 float32] by an in-kernel loop; q [Tp, Dh] + K, V tiles are its dot
-operands, within shared memory: 48 KiB per pipeline stage at Tp 64, bf16). See jspec.kernels for
+Triton: grid (batch, KV head), each program walks its KV head's contiguous [S, Dh] cache slab once,
+in tiles of kv_rows rows [64 bf16 / 32 float32] by an in-kernel loop, and folds every tile into the
+online softmax of each of the head's Hq / Hkv query heads: q [Tp, Dh] per head + K, V tiles are its dot
+operands, within shared memory: 48 KiB per pipeline stage at Tp 64, bf16, plus the group's q). See jspec.kernels for
 selection.
 """
 
@@ -257,19 +258,21 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
 
 
 def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, bits_ref, kc_ref, vc_ref,
-                     o_ref, *, tp, block_k, scale, window_new):
-    """One q head of one batch row: the new keys its bitmask allows, then the cache in tiles."""
+                     o_ref, *, group, dh, tp, block_k, scale, window_new):
+    """One KV head of one batch row and the `group` q heads that read it: the new keys its bitmask
+    allows, then the cache in tiles, each K / V tile loaded once for the whole group."""
     b = pl.program_id(0)
     lo, hi, window = lo_ref[b], hi_ref[b], win_ref[0]
     s = kc_ref.shape[0]
     first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
     vis_new = _new_visibility(bits_ref, pc_ref[...], pr_ref[...], window, tp, window_new)
     pos = pc_ref[...]
-    q = q_ref[...]
-    dt = q.dtype
-    state = _tiles.attend(_tiles.init_stats(tp, q.shape[1]), q, kn_ref[...], vn_ref[...], vis_new, scale)
+    qs = [q_ref[:, g * dh:(g + 1) * dh] for g in range(group)]  # q head g of the group: [Tp, Dh]
+    dt = qs[0].dtype
+    kn, vn = kn_ref[...], vn_ref[...]
+    states = tuple(_tiles.attend(_tiles.init_stats(tp, dh), q, kn, vn, vis_new, scale) for q in qs)
 
-    def tile(i, state):
+    def tile(i, states):
         # The last tile is shifted back to end at row S (no read past the cache); rows it shares with
         # the previous tile are masked so that no key is counted twice.
         start = jnp.minimum(i * block_k, s - block_k)
@@ -279,29 +282,29 @@ def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_
         readable = (rows_c >= jnp.maximum(lo, i * block_k)) & (rows_c < hi)
         k = kc_ref[pl.ds(start, block_k), :].astype(dt)
         v = jnp.where(readable, vc_ref[pl.ds(start, block_k), :], 0).astype(dt)
-        return _tiles.attend(state, q, k, v, vis, scale)
+        return tuple(_tiles.attend(st, q, k, v, vis, scale) for st, q in zip(states, qs))
 
-    _, l, acc = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, state)
-    o_ref[...] = _tiles.finish(l, acc).astype(o_ref.dtype)
+    states = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, states)
+    for g, (_, l, acc) in enumerate(states):
+        o_ref[:, g * dh:(g + 1) * dh] = _tiles.finish(l, acc).astype(o_ref.dtype)
 
 
 def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, gt: GpuTiles, interpret):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
-    b, _, s, _ = kc.shape
-    hq = qf.shape[2] // dh
-    kernel = functools.partial(_portable_kernel, tp=tp, block_k=block_k, scale=scale, window_new=window_new)
+    b, hkv, s, _ = kc.shape
+    kernel = functools.partial(_portable_kernel, group=group, dh=dh, tp=tp, block_k=block_k, scale=scale,
+                               window_new=window_new)
     whole = lambda x: pl.BlockSpec(x.shape, lambda bi, h: (0,) * x.ndim)
     per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi, h: (bi,) + (0,) * (x.ndim - 1))
-    head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h))
-    kv_head = lambda rows: pl.BlockSpec((None, rows, dh), lambda bi, h: (bi, 0, h // group))
-    cache = pl.BlockSpec((None, None, s, dh), lambda bi, h: (bi, h // group, 0, 0))  # the KV head's [S, Dh]
+    heads = lambda width: pl.BlockSpec((None, tp, width), lambda bi, h: (bi, 0, h))  # columns h * width ..
+    cache = pl.BlockSpec((None, None, s, dh), lambda bi, h: (bi, h, 0, 0))  # the KV head's [S, Dh]
     return pl.pallas_call(
         kernel,
-        grid=(b, hq),
+        grid=(b, hkv),
         compiler_params=pltriton.CompilerParams(num_warps=gt.warps, num_stages=gt.stages),
-        in_specs=[*(whole(x) for x in scalars), head(tp), kv_head(tp), kv_head(tp), per_row(pos_col),
+        in_specs=[*(whole(x) for x in scalars), heads(group * dh), heads(dh), heads(dh), per_row(pos_col),
                   per_row(pos_row), per_row(bits), cache, cache],
-        out_specs=head(tp),
+        out_specs=heads(group * dh),
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
         interpret=interpret,
     )(*scalars, *tensors)
