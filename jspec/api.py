@@ -17,6 +17,7 @@ from jspec.drafters.base import REGISTRY, Drafter
 from jspec.io.hf import load_params
 from jspec.io.tokenizer import load_tokenizer
 from jspec.models.config import ModelConfig
+from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
 
 
@@ -229,7 +230,7 @@ def generate(
         fetch = parallel.to_host
 
     if drafter is None or drafter == "none":
-        if verifier not in (None, "greedy", "gumbel") or tree_budget:
+        if (verifier is not None and not rules.get_rule(verifier).plain_tokens) or tree_budget:
             raise ValueError("plain autoregressive decoding (no drafter) takes no verifier or tree budget")
         start = time.perf_counter()
         state = ar.generate_ar(params, cfg, dcfg, *args)
@@ -287,13 +288,12 @@ def _verify_budget(target, drafter, verify_budget, batch: int, cache_size: int):
 
 def _default_verifier(verifier: str | None, sampling: SamplingParams) -> str:
     if verifier is None:
-        return "greedy" if sampling.greedy else "gumbel"
-    if verifier not in spec.VERIFIERS:
-        raise ValueError(f"unknown verifier {verifier!r}; choose one of {', '.join(spec.VERIFIERS)}")
-    if verifier == "greedy" and not sampling.greedy:
+        return rules.default_rule(sampling.greedy)
+    if rules.get_rule(verifier).greedy_only and not sampling.greedy:
+        others = ", ".join(name for name, r in rules.RULES.items() if not r.greedy_only)
         raise ValueError(
-            f"the greedy verifier is lossless only at temperature 0 (got {sampling.temperature}): "
-            "use --verifier gumbel, speculative or block for sampling"
+            f"the {verifier} verifier is lossless only at temperature 0 (got {sampling.temperature}): "
+            f"use --verifier {others} for sampling"
         )
     return verifier
 
@@ -316,11 +316,13 @@ def prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget
             f"{dr.num_drafts} drafts per round do not fit a cache of {cache_size} rows: "
             "lower the block size / tree budget or raise the cache size"
         )
-    if dr.kind == "tree" and verifier in spec.CHAIN_ONLY:
+    rule = rules.get_rule(verifier)
+    if dr.kind == "tree" and rule.chain_only:
+        trees = ", ".join(name for name, r in rules.RULES.items() if not r.chain_only)
         raise ValueError(
             f"the {verifier!r} verifier is chain-only and cannot verify a tree (tree budget {dr.num_drafts}): "
-            "use greedy, gumbel or speculative with trees, or drop the tree budget"
+            f"use {trees} with trees, or drop the tree budget"
         )
     dr.validate(target.cfg, dparams)
-    dr = dataclasses.replace(dr, mode=spec.DRAFT_MODE[verifier], sampling=sampling)
+    dr = dataclasses.replace(dr, mode=rule.draft_policy, sampling=sampling)
     return dr, dparams

@@ -30,6 +30,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jspec.verify import rules
+
     parser = argparse.ArgumentParser(prog="jspec", description="Lossless speculative decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compare", action="store_true",
                     help="also run plain AR decoding on the same prompt and report the speedup (on by default "
                          "without --target)")
-    sp.add_argument("--verifier", default=None, choices=["greedy", "speculative", "block", "gumbel"],
+    sp.add_argument("--verifier", default=None, choices=list(rules.RULES),
                     help="default: greedy at temperature 0, gumbel otherwise")
     sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")

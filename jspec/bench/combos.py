@@ -17,9 +17,9 @@ import os
 
 import jspec
 from jspec.api import BUILTIN_DIR, prepare_drafter
-from jspec.decode import spec
 from jspec.drafters.base import Drafter
 from jspec.drafters.lm import SmallLM
+from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
 
 AUTO = "auto"  # greedy at temperature 0, Gumbel coupling otherwise (both give plain decoding's exact output)
@@ -73,9 +73,9 @@ def check_drafter_name(name: str) -> None:
 
 def resolve_verifier(verifier: str, temperature: float) -> str:
     if verifier == AUTO:
-        return "greedy" if temperature == 0 else "gumbel"
-    if verifier not in spec.VERIFIERS:
-        raise ValueError(f"unknown verifier {verifier!r}: valid verifiers are {AUTO}, {', '.join(spec.VERIFIERS)}")
+        return rules.default_rule(temperature == 0)
+    if verifier not in rules.RULES:
+        raise ValueError(f"unknown verifier {verifier!r}: valid verifiers are {AUTO}, {', '.join(rules.RULES)}")
     return verifier
 
 

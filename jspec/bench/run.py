@@ -27,6 +27,7 @@ from jspec.bench import combos, metrics, peer, plots, report, roofline, timing
 from jspec.bench.prompts import held_out_prompts
 from jspec.models.config import ModelConfig
 from jspec.models.transformer import init_params
+from jspec.verify import rules
 
 SCHEMA = "jspec.bench/1"
 GIB = 1 << 30
@@ -336,7 +337,7 @@ def _combo_record(p: combos.Planned, run, warm, outputs, ar_outputs, rows, ar_re
     call_s, prefill_s, tokens, loops = rows
     rec = metrics.decode_timing(call_s, prefill_s, tokens)
     c = p.combo
-    exact = c.verifier in ("greedy", "gumbel")  # both emit plain decoding's tokens; the others match in law only
+    exact = rules.get_rule(c.verifier).plain_tokens  # plain decoding's tokens; the others match in law only
     return {
         "label": run.label, "drafter": c.drafter, "drafter_short": combos.short_name(c.drafter),
         "drafter_class": type(p.drafter).__name__, "verifier": c.verifier, "kind": c.kind, "drafts": c.drafts,

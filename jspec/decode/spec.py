@@ -21,22 +21,17 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import ar
-from jspec.drafters.base import GREEDY, GUMBEL, SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo
+from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import budget
-from jspec.verify.chain import CHAIN_RULES
+from jspec.verify.rules import get_rule
 from jspec.verify.sampling import served_logprobs
-from jspec.verify.tree import TREE_RULES
-
-VERIFIERS = ("greedy", "speculative", "block", "gumbel")
-CHAIN_ONLY = ("block",)
-DRAFT_MODE = {"greedy": GREEDY, "gumbel": GUMBEL, "speculative": SAMPLE, "block": SAMPLE}
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """decode: the shared decoding settings; verifier: a rule name in VERIFIERS.
+    """decode: the shared decoding settings; verifier: a registered rule's name (jspec.verify.rules).
 
     sps: the non-anticipating verification budget (chains whose drafter reports confidences, e.g.
     DSpark): sps[m] = profiled verify rounds per second with m draft tokens verified across the batch
@@ -140,15 +135,7 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     else:
         logits, cache, taps, states = _verify_pass(params, cfg, drafter, scfg, core, vt)
     logp = served_logprobs(logits, scfg.decode.sampling)
-    rule = CHAIN_RULES[scfg.verifier]
-    if scfg.verifier == "greedy":
-        res = jax.vmap(lambda lp, d, n: rule(lp, d, length=n))(logp, prop.tokens, lengths)
-    elif scfg.verifier == "gumbel":
-        res = jax.vmap(lambda lp, d, s, p0, n: rule(lp, d, s, p0, length=n))(
-            logp, prop.tokens, core.seeds, core.length, lengths)
-    else:
-        res = jax.vmap(lambda lp, d, q, s, p0, n: rule(lp, d, q, s, p0, length=n))(
-            logp, prop.tokens, prop.q_logp, core.seeds, core.length, lengths)
+    res = get_rule(scfg.verifier).verify_chain(logp, prop.tokens, prop.q_logp, core.seeds, core.length, lengths)
     i = jnp.arange(g + 1)[None]
     drafts = jnp.concatenate([prop.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
@@ -174,16 +161,8 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
                                              attention=scfg.decode.attention)
     logits = tm.logits(params, cfg, hidden)
     logp = served_logprobs(logits, scfg.decode.sampling)
-    if scfg.verifier == "greedy":
-        res = jax.vmap(TREE_RULES["greedy"])(logp, prop.tokens, prop.parent, prop.depth)
-    elif scfg.verifier == "gumbel":
-        res = jax.vmap(TREE_RULES["gumbel"])(logp, prop.tokens, prop.parent, prop.depth, core.seeds, core.length)
-    elif drafter.tree_children == "deterministic":  # fixed children: accept x w.p. p(x), else remove x
-        res = jax.vmap(TREE_RULES["sampling_deterministic"])(logp, prop.tokens, prop.parent, prop.depth,
-                                                              core.seeds, core.length)
-    else:  # children drawn i.i.d. from q: recursive rejection over siblings
-        res = jax.vmap(TREE_RULES["sampling"])(logp, prop.tokens, prop.parent, prop.depth, prop.q_logp,
-                                               core.seeds, core.length)
+    res = get_rule(scfg.verifier).verify_tree(logp, prop.tokens, prop.parent, prop.depth, prop.q_logp, core.seeds,
+                                              core.length, drafter.tree_children)
     path = res.path[:, :depth_max]  # accepted nodes by depth, -1 past n
     j = jnp.arange(depth_max)[None]
     on_path = j < res.n[:, None]

@@ -23,10 +23,8 @@ import jax.numpy as jnp
 
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
+from jspec.verify.rules import GREEDY, GUMBEL, SAMPLE  # how a drafter proposes: fixed by the verification rule
 from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
-
-# How a drafter turns its own distribution into proposals; fixed by the verification rule.
-GREEDY, SAMPLE, GUMBEL = "greedy", "sample", "gumbel"
 
 
 @jax.tree_util.register_dataclass

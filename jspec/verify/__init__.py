@@ -1,6 +1,7 @@
 """Verification rules and the sampling/noise primitives they share with the decode loop.
 
-Chain rules (`chain`), tree rules (`tree`), the DSpark verification budget (`budget`), input checks
+The registered verifiers (`rules`: one `Rule` per name, what the decode loop calls), the chain and
+tree rule functions behind them (`chain`, `tree`), the DSpark verification budget (`budget`), input checks
 (`validate`) and exact enumeration for small vocabularies (`exact`, analysis and tests only).
 """
 
