@@ -163,18 +163,6 @@ def test_draft_cache_holds_exactly_the_committed_positions(target):
 # --- DDTree ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab", [200, 203, 64])
-def test_chunked_top_k_is_lax_top_k(vocab, rng=np.random.default_rng(5)):
-    x = rng.normal(size=(3, vocab)).astype(np.float32)
-    x[0, ::3] = 1.25  # ties across chunks: the lower index comes first
-    x[1, :-2] = -np.inf  # fewer finite entries than k
-    x[2, -7:] = 9.0  # the winners in the padded last chunk
-    want = jax.lax.top_k(jnp.asarray(x), 10)
-    got = jax.jit(lambda x: ddtree.top_k_by_chunks(x, 10, chunk=16))(jnp.asarray(x))
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
 def test_ddtree_takes_the_best_prefixes(rng=np.random.default_rng(0)):
     g, v, budget = 3, 4, 9
     logq = np.log(rng.dirichlet(np.ones(v), size=g))

@@ -15,32 +15,11 @@ import jax
 import jax.numpy as jnp
 
 
-TOP_K_CHUNK = 1024  # vocabulary entries per first-stage top-k in `top_k_by_chunks`
-
-
-def top_k_by_chunks(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, k)` over the last axis, the same values and indices (ties: lower index first),
-    in two stages: the top k of every `chunk` entries, then the top k of those candidates. Every
-    overall top-k entry is among its chunk's top k, and candidates keep index order, so the result is
-    exact. XLA:TPU lowers a top-k over a 152k vocabulary to a full sort of every row; the chunked form
-    sorts only short rows."""
-    v = x.shape[-1]
-    if v <= 4 * chunk or k > chunk:
-        return jax.lax.top_k(x, k)
-    n = -(-v // chunk)
-    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * chunk - v)], constant_values=-jnp.inf)
-    cand_v, cand_i = jax.lax.top_k(padded.reshape(x.shape[:-1] + (n, chunk)), k)  # [..., n, k]
-    cand_i = cand_i + (jnp.arange(n) * chunk)[:, None]
-    flat = x.shape[:-1] + (n * k,)
-    top_v, pos = jax.lax.top_k(cand_v.reshape(flat), k)
-    return top_v, jnp.take_along_axis(cand_i.reshape(flat), pos, axis=-1)
-
-
 def build_tree(logq: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logq [g, V] per-depth log-marginals -> (tokens [N], parent [N] (-1 = anchor), depth [N] >= 1)."""
     g, vocab = logq.shape
     k = min(budget, vocab)
-    top_v, top_i = top_k_by_chunks(logq.astype(jnp.float32), k)  # [g, k], best first
+    top_v, top_i = jax.lax.top_k(logq.astype(jnp.float32), k)  # [g, k], best first
     cap = 2 * budget + 1
     score = jnp.full((cap,), -jnp.inf).at[0].set(top_v[0, 0])
     depth = jnp.zeros((cap,), jnp.int32).at[0].set(1)
