@@ -63,8 +63,8 @@ def compact_rows(cache, dst, src, start, span: int):
     dst is consecutive per row (the path's final rows) and every src lies in the span rows start[b] ..
     start[b] + span - 1 (the tree pass's rows). Dense and hybrid caches hold one [B, Hkv, S, Dh] buffer
     per attention layer; each row reads its span as one block (`attention.read_rows`), picks the path
-    from it and writes the path back as one block (`attention.write_rows`): no gather or scatter over
-    the cache (see there)."""
+    from it and writes the path back as one block (`attention.write_rows`): never a gather or scatter
+    of single cache rows (see `attention.write_block`)."""
     def move(x):
         first = jnp.clip(start, 0, x.shape[2] - span)  # where read_rows starts each row's block
         pick = (src - first[:, None])[:, None, :, None]  # [B, 1, D, 1] rows within the block
