@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
-from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
+from jspec.verify.sampling import SamplingParams, gumbel_argmax, log_softmax_at, served_logprobs
 
 
 # Cache rows come in multiples of 16 (never read past the text, so they cost nothing but memory): with
@@ -73,11 +73,9 @@ def choose_tokens(logits: jax.Array, seeds: jax.Array, index: jax.Array, samplin
     logp = served_logprobs(logits, sampling)
     if sampling.greedy:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        report = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    else:
-        token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
-        report = logp
-    return token, jnp.take_along_axis(report, token[:, None], axis=-1)[:, 0]
+        return token, log_softmax_at(logits.astype(jnp.float32), token)
+    token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
 def append_tokens(state: ARState, emitted: jax.Array, logprobs: jax.Array, count: jax.Array, dcfg: DecodeConfig):

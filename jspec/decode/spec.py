@@ -26,7 +26,7 @@ from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import budget
 from jspec.verify.rules import get_rule
-from jspec.verify.sampling import served_logprobs
+from jspec.verify.sampling import log_softmax_at, served_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +87,6 @@ def ancestor_mask(parent: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, n, add, anc)
 
 
-def _log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """jax.nn.log_softmax(logits)[..., tokens] by its own arithmetic (the same bits), without a
-    vocabulary-sized buffer per verify row: what `logprobs` reports under greedy decoding (the served
-    distribution is a point mass; the model's own log-prob is the informative number)."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    shifted = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - top[..., 0]
-    return shifted - jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
-
-
 def width_buckets(g: int) -> tuple[int, ...]:
     """Draft counts a budgeted verify pass may run at: powers of two below g, and g."""
     return tuple(sorted({1 << i for i in range(g.bit_length()) if (1 << i) < g} | {g}))
@@ -139,7 +130,7 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     i = jnp.arange(g + 1)[None]
     drafts = jnp.concatenate([prop.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(i < res.n[:, None], drafts, res.token[:, None])
-    emitted_logp = (_log_softmax_at(logits, emitted) if scfg.decode.sampling.greedy
+    emitted_logp = (log_softmax_at(logits, emitted) if scfg.decode.sampling.greedy
                     else jnp.take_along_axis(logp, emitted[..., None], axis=-1)[..., 0])
     verified = jnp.full((b,), g, jnp.int32) if lengths is None else lengths
     state_index = jnp.arange(g + 1)[None].repeat(b, 0)  # pass token i carries the state after draft i
@@ -171,7 +162,7 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     emitted = jnp.where(jnp.arange(depth_max + 1)[None] == res.n[:, None], res.token[:, None], emitted)
     # Verify row whose distribution chose emitted token j: the anchor's for j = 0, else the parent node's.
     src_row = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), safe_path + 1], axis=1)
-    emitted_logp = (_log_softmax_at(logits[rows, src_row], emitted) if scfg.decode.sampling.greedy
+    emitted_logp = (log_softmax_at(logits[rows, src_row], emitted) if scfg.decode.sampling.greedy
                     else logp[rows, src_row, emitted])
     # Compact the accepted path: node path[j] (row length + path[j]) moves to row length + j.
     dst = core.length[:, None] + j

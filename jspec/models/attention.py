@@ -41,12 +41,6 @@ def _per_row(batch: int) -> bool:
     return compile_backend() == "tpu" and batch <= UNROLL_MAX_ROWS
 
 
-def _blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int):
-    """(corners [B, 2], block shape): each batch row's T-row block along `axis` from block_start."""
-    corners = jnp.stack([jnp.arange(cache.shape[0], dtype=jnp.int32), block_start], axis=1)
-    return corners, (1,) + cache.shape[1:axis] + (t,) + cache.shape[axis + 1:]
-
-
 def _corner(cache: jax.Array, i: int, first, axis: int) -> tuple:
     return (i,) + (0,) * (axis - 1) + (first,) + (0,) * (cache.ndim - axis - 1)
 
@@ -54,14 +48,33 @@ def _corner(cache: jax.Array, i: int, first, axis: int) -> tuple:
 _IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS  # every block was clipped into the cache
 
 
+def _windows(cache: jax.Array, block_start: jax.Array):
+    """(corners [B, 2], window dims): each batch row's block as one gather / scatter window."""
+    return jnp.stack([jnp.arange(cache.shape[0], dtype=jnp.int32), block_start], axis=1), tuple(range(1, cache.ndim))
+
+
 def _read_blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int) -> jax.Array:
-    corners, size = _blocks(cache, block_start, axis, t)
+    """[B, ..., T, ...]: each batch row's T-row block along `axis` from block_start (see write_block)."""
+    size = (1,) + cache.shape[1:axis] + (t,) + cache.shape[axis + 1:]
     if _per_row(cache.shape[0]):
         return jnp.concatenate([jax.lax.dynamic_slice(cache, _corner(cache, i, block_start[i], axis), size)
                                 for i in range(cache.shape[0])], axis=0)
+    corners, window = _windows(cache, block_start)
     return jax.lax.gather(cache, corners, jax.lax.GatherDimensionNumbers(
-        offset_dims=tuple(range(1, cache.ndim)), collapsed_slice_dims=(0,), start_index_map=(0, axis)), size,
+        offset_dims=window, collapsed_slice_dims=(0,), start_index_map=(0, axis)), size,
         indices_are_sorted=True, mode=_IN_BOUNDS)
+
+
+def _write_blocks(cache: jax.Array, blocks: jax.Array, block_start: jax.Array, axis: int) -> jax.Array:
+    """cache with each batch row's block written at block_start along `axis` (see write_block)."""
+    if _per_row(cache.shape[0]):
+        for i in range(cache.shape[0]):
+            cache = jax.lax.dynamic_update_slice(cache, blocks[i:i + 1], _corner(cache, i, block_start[i], axis))
+        return cache
+    corners, window = _windows(cache, block_start)
+    return jax.lax.scatter(cache, corners, blocks, jax.lax.ScatterDimensionNumbers(
+        update_window_dims=window, inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, axis)),
+        indices_are_sorted=True, unique_indices=True, mode=_IN_BOUNDS)
 
 
 def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
@@ -78,7 +91,7 @@ def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
     (XLA:TPU lays a windowed scatter's cache out batch-minor, and copies a cache carried through a loop
     over rows); elsewhere, and for larger batches, one windowed gather and scatter of all rows' blocks
     (XLA:CPU copies the cache between unrolled updates)."""
-    b, t, s = cache.shape[0], new.shape[axis], cache.shape[axis]
+    t, s = new.shape[axis], cache.shape[axis]
     if t > s:
         raise ValueError(f"a pass of {t} tokens does not fit a cache of {s} rows")
     start = start.astype(jnp.int32)
@@ -90,14 +103,7 @@ def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
     along = (slice(None),) + (None,) * (axis - 1) + (slice(None),) + (None,) * (cache.ndim - axis - 1)
     fresh = jnp.take_along_axis(new.astype(cache.dtype), jnp.clip(offset, 0, t - 1)[along], axis=axis)
     block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, t))
-    if _per_row(b):
-        for i in range(b):
-            cache = jax.lax.dynamic_update_slice(cache, block[i:i + 1], _corner(cache, i, block_start[i], axis))
-        return cache
-    corners, _ = _blocks(cache, block_start, axis, t)
-    return jax.lax.scatter(cache, corners, block, jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(1, cache.ndim)), inserted_window_dims=(0,),
-        scatter_dims_to_operand_dims=(0, axis)), indices_are_sorted=True, unique_indices=True, mode=_IN_BOUNDS)
+    return _write_blocks(cache, block, block_start, axis)
 
 
 def read_rows(cache: jax.Array, start: jax.Array, width: int) -> jax.Array:

@@ -224,6 +224,15 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
     return logp
 
 
+def log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax(logits)[..., tokens] by its own arithmetic (the same bits), without a
+    vocabulary-sized buffer per verify row: what `logprobs` reports under greedy decoding (the served
+    distribution is a point mass; the model's own log-prob is the informative number)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    shifted = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - top[..., 0]
+    return shifted - jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+
+
 def gumbel_argmax(logp: jax.Array, noise: jax.Array) -> jax.Array:
     """Gumbel-max draw argmax(logp + noise) over the last axis; exact sample from softmax(logp).
 
