@@ -21,7 +21,7 @@ import pytest
 from jspec.aot.hlo_bytes import parse_module
 from jspec.decode import profile
 from jspec.decode.spec import ancestor_mask
-from jspec.models import attention, hybrid, transformer
+from jspec.models import attention, hybrid, layers, transformer
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 
@@ -164,7 +164,7 @@ def test_the_flax_module_costs_nothing_in_the_compiled_pass():
         for lp, k, v, window in zip(p["layers"], c.k, c.v, CFG.windows):
             h, k, v = transformer._layer(CFG, inv_freq, h, lp, k, v, window, pos, pos, pos[:, 0], None, "reference",
                                          attention.KV_CHUNK)
-        return transformer.rms_norm(h, p["final_norm"], CFG.rms_norm_eps)
+        return layers.rms_norm(h, p["final_norm"], CFG.rms_norm_eps)
 
     def through_module(p, c, t):
         return transformer.forward(p, CFG, t, pos, c).hidden
@@ -264,7 +264,7 @@ def test_the_hybrid_flax_module_costs_nothing_in_the_compiled_pass():
         for i, (lp, j) in enumerate(zip(p["layers"], HCFG.slots)):
             kind = HCFG.layer_types[i]
             h, states[kind][j], _ = hybrid._layer(HCFG, i, lp, h, states[kind][j], ps)
-        return hybrid.zc_rms_norm(h, p["final_norm"], HCFG.rms_norm_eps)
+        return layers.zc_rms_norm(h, p["final_norm"], HCFG.rms_norm_eps)
 
     def through_module(p, c, t):
         return hybrid.forward(p, HCFG, t, pos, c, keep_states=True).hidden

@@ -3,7 +3,8 @@
 Every function here runs inside a Pallas kernel (Mosaic TPU, the portable `pallas_call`, or the
 interpreters) and uses only 2-D element-wise ops, row reductions and matmuls, so that one body lowers
 on every backend. Attention uses the usual online softmax: a running row maximum m [R, 1], a running
-normaliser l [R, 1] and an unnormalised accumulator acc [R, Dh], all float32.
+normaliser l [R, 1] and an unnormalised accumulator acc [R, Dh], all float32. A tile's RMSNorm is
+`jspec.models.layers.rms_norm` itself, which is such a function.
 """
 
 from __future__ import annotations
@@ -21,13 +22,6 @@ NEG = -1e30
 STAT_LANES = 128
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm exactly as `transformer.rms_norm`: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
-
-
 def rotation(head_dim: int, dtype) -> np.ndarray:
     """R [Dh, Dh] with x @ R = rotate_half(x) = [-x2, x1]: a signed permutation, so the product is exact."""
     half = head_dim // 2
@@ -38,7 +32,7 @@ def rotation(head_dim: int, dtype) -> np.ndarray:
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rot: jax.Array) -> jax.Array:
-    """Rotate-half RoPE of x [R, Dh] with cos/sin [R, Dh] in x's dtype (as `transformer.rope`).
+    """Rotate-half RoPE of x [R, Dh] with cos/sin [R, Dh] in x's dtype (as `layers.rope`).
 
     rotate_half is a matmul with the signed permutation R: it avoids lane slicing / concatenation,
     which not every backend lowers for Dh < 128. float32 takes HIGHEST precision (exact: one nonzero
@@ -56,7 +50,7 @@ def mm(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b [N, K].T accumulated in float32, without materialising a transpose: scores against
-    keys [N, Dh], and projections by a weight tile stored [out, in] (as `transformer.linear`)."""
+    keys [N, Dh], and projections by a weight tile stored [out, in] (as `layers.linear`)."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 

@@ -34,7 +34,7 @@ The [rows, F] activations and q / k / v / attention outputs are the only interme
 
 `ref_draft_layer` is the specification: exactly one layer of `jspec.drafters.dflash.draft_blocks`.
 Shapes: h [B, A, W, D] (A blocks of W slots per row; block a sits at positions anchor_pos[b, a] + i),
-one layer's parameters lp (matrices stored [out, in], as `transformer.linear` applies them:
+one layer's parameters lp (matrices stored [out, in], as `layers.linear` applies them:
 wq [Hq*Dh, D], wk / wv [Hkv*Dh, D], wo [D, Hq*Dh], w_gate / w_up [F, D], w_down [D, F]; q_norm / k_norm
 [Dh], attn_norm / mlp_norm [D]), the layer's context cache ctx_k / ctx_v [B, S, Hkv * Dh] (row =
 position, heads flattened), anchor_pos [B, A], window: int32 scalar (0 = full).
@@ -61,10 +61,9 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
-from jspec.models import transformer
-from jspec.models.transformer import linear
 from jspec.models.attention import empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
+from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
 
 _MIB = 1 << 20
 
@@ -86,12 +85,12 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
     hq, hkv, dh, eps, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, a * w
     s = ctx_k.shape[1]
 
-    x = transformer.rms_norm(h, lp["attn_norm"], eps)
+    x = rms_norm(h, lp["attn_norm"], eps)
     q = linear(x, lp["wq"]).reshape(b, t, hq, dh)
     kb = linear(x, lp["wk"]).reshape(b, t, hkv, dh)
     vb = linear(x, lp["wv"]).reshape(b, t, hkv, dh)
-    q = transformer.rope(transformer.rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
-    kb = transformer.rope(transformer.rms_norm(kb, lp["k_norm"], eps), positions, inv_freq)
+    q = rope(rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
+    kb = rope(rms_norm(kb, lp["k_norm"], eps), positions, inv_freq)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     scale = dh**-0.5
 
@@ -129,8 +128,8 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
         _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
         attn = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype).reshape(b, t, hq * dh)
     h = h + linear(attn, lp["wo"])
-    x = transformer.rms_norm(h, lp["mlp_norm"], eps)
-    h = h + linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
+    x = rms_norm(h, lp["mlp_norm"], eps)
+    h = h + swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"])
     return h.reshape(b, a, w, -1)
 
 
@@ -171,7 +170,7 @@ def draft_stack(params: dict, cfg: ModelConfig, embed: jax.Array, ctx_k: jax.Arr
     h = embed[block_tokens]
     for i, lp in enumerate(params["layers"]):
         h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg, **options)
-    return transformer.rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    return rms_norm(h, params["norm"], cfg.rms_norm_eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -207,8 +206,7 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
     dt = jnp.result_type(h.dtype, *(lp[k].dtype for k in ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm")))
     anchor = anchor_pos.reshape(b * a)
     positions = anchor[:, None] + jnp.arange(wp)[None]
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(default_rope_inv_freq(cfg))
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B*A, Wp, Dh], as transformer.rope builds it
+    emb = rope_angles(positions, jnp.asarray(default_rope_inv_freq(cfg)))  # [B*A, Wp, Dh], as `layers.rope`
     lo = jnp.where(window > 0, jnp.maximum(anchor - window + 1, 0), 0).astype(jnp.int32)
     scalars = (lo, anchor, window.reshape(1))
     row = lambda v: v.reshape(1, -1)
@@ -254,12 +252,12 @@ def _project(x, wq_ref, wk_ref, wv_ref, qn, kn, cos, sin, rot, c: int, group: in
     """Block K, V [Wp, Dh] of KV head c and the queries [Wp, Dh] of its group's heads (a list); each head
     is a [Dh, D] row range of the step's weight blocks."""
     rows = slice(c * dh, (c + 1) * dh)
-    k = _tiles.rope(_tiles.rms_norm(_tiles.mm_nt(x, wk_ref[rows, :]).astype(dt), kn, eps), cos, sin, rot)
+    k = _tiles.rope(rms_norm(_tiles.mm_nt(x, wk_ref[rows, :]).astype(dt), kn, eps), cos, sin, rot)
     v = _tiles.mm_nt(x, wv_ref[rows, :]).astype(dt)
     qs = []
     for g in range(group):
         head = slice((c * group + g) * dh, (c * group + g + 1) * dh)
-        qs.append(_tiles.rope(_tiles.rms_norm(_tiles.mm_nt(x, wq_ref[head, :]).astype(dt), qn, eps), cos, sin, rot))
+        qs.append(_tiles.rope(rms_norm(_tiles.mm_nt(x, wq_ref[head, :]).astype(dt), qn, eps), cos, sin, rot))
     return qs, k, v
 
 
@@ -283,7 +281,7 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
 
     @pl.when((g == 0) & (j == 0))
     def _norm():
-        x_s[...] = _tiles.rms_norm(h_ref[...], an_ref[...], eps)
+        x_s[...] = rms_norm(h_ref[...], an_ref[...], eps)
         o_s[...] = jnp.zeros_like(o_s)
 
     @pl.when(j == 0)
@@ -397,7 +395,7 @@ def _row_norm_scale(x_ref, chunk: int, eps: float):
 
 def _normed_matmul(x_ref, n_ref, inv, w_refs, chunk: int):
     """[rms_norm(x) @ w.T for w in w_refs] (each w [N, D], stored [out, in]) in float32 [R, N], the norm
-    (as `_tiles.rms_norm`: scale in float32, cast back, times the gain) applied chunk by chunk inside
+    (as `layers.rms_norm`: scale in float32, cast back, times the gain) applied chunk by chunk inside
     the K loop over D."""
     d = x_ref.shape[1]
 
@@ -422,13 +420,13 @@ def _proj_gpu_kernel(h_ref, cos_ref, sin_ref, an_ref, qn_ref, kn_ref, rot_ref, w
     @pl.when(j < group)
     def _q():
         (q,) = _normed_matmul(h_ref, an_ref, inv, (wq_ref,), chunk)
-        q = _tiles.rope(_tiles.rms_norm(q.astype(dt), qn_ref[...], eps), cos, sin, rot)
+        q = _tiles.rope(rms_norm(q.astype(dt), qn_ref[...], eps), cos, sin, rot)
         q_ref[...] = q.astype(q_ref.dtype)
 
     @pl.when(j == group)
     def _k():
         (k,) = _normed_matmul(h_ref, an_ref, inv, (wk_ref,), chunk)
-        k_ref[...] = _tiles.rope(_tiles.rms_norm(k.astype(dt), kn_ref[...], eps), cos, sin, rot).astype(k_ref.dtype)
+        k_ref[...] = _tiles.rope(rms_norm(k.astype(dt), kn_ref[...], eps), cos, sin, rot).astype(k_ref.dtype)
 
     @pl.when(j == group + 1)
     def _v():
@@ -576,7 +574,7 @@ def _mlp_tpu_kernel(h_ref, n_ref, wg_ref, wu_ref, wd_ref, out_ref, x_s, acc_s, *
 
     @pl.when(f == 0)
     def _norm():
-        x_s[...] = _tiles.rms_norm(h_ref[...], n_ref[...], eps)
+        x_s[...] = rms_norm(h_ref[...], n_ref[...], eps)
         acc_s[...] = jnp.zeros_like(acc_s)
 
     acc_s[...] += _swiglu(x_s[...], wg_ref[...], wu_ref[...], wd_ref[...])

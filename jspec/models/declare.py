@@ -14,7 +14,7 @@ and its Hugging Face tensor name and orientation. From that one declaration foll
 
 Each declaration fixes its matrix's orientation. Decoder layers (dense and hybrid targets, small-LM
 drafters, DFlash / DSpark layers), LM heads and DFlash's fc are stored [out, in] as HF stores them
-(`jspec.models.transformer.linear` says why); the DSpark Markov / confidence heads are stored
+(`jspec.models.layers.linear` says why); the DSpark Markov / confidence heads are stored
 [in, out], and `transpose` marks each tensor that HF stores the other way (those heads' matrices and
 the hybrid targets' Gated DeltaNet conv taps).
 """

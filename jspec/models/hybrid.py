@@ -6,7 +6,7 @@ HF name), and `init_params`, `param_shapes`, the HF loader (`jspec.io.hf_hybrid`
 (`jspec.parallel.target_axes`) all read those declarations.
 
 Parameters (a plain nested dict; `layers` is a list with one dict per layer, which holds that layer's
-mixer and MLP leaves; matrices stored [out, in] as HF stores them, applied by `transformer.linear`):
+mixer and MLP leaves; matrices stored [out, in] as HF stores them, applied by `layers.linear`):
 
     embed [V, D]; final_norm [D]; lm_head [V, D] (absent when embeddings are tied)
     layers[i]: in_norm, mlp_norm [D]                               zero-centred: x_hat * (1 + w)
@@ -61,7 +61,8 @@ import numpy as np
 from jspec.models import gdn
 from jspec.models.attention import attend, write_rows
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
-from jspec.models.transformer import from_linen, linear, rope, to_linen
+from jspec.models.layers import linear, lm_logits, rope, swiglu, zc_rms_norm
+from jspec.models.transformer import from_linen, to_linen
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_ARCHITECTURES = {
@@ -444,18 +445,6 @@ def reset_recurrent(cache: HybridCache, rows: jax.Array) -> HybridCache:
 # --- layers -------------------------------------------------------------------------------------
 
 
-def zc_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm: normalise in float32, scale by (1 + w), then cast back."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-
-
-def _partial_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    rd = 2 * inv_freq.shape[0]
-    return jnp.concatenate([rope(x[..., :rd], positions, inv_freq), x[..., rd:]], axis=-1)
-
-
 def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, inv_freq):
     """Gated full attention. x [B, T, D] (normed); k_cache/v_cache [B, Hkv, S, Dh]."""
     b, t, _ = x.shape
@@ -464,8 +453,8 @@ def _attn_layer(cfg: HybridConfig, lp, x, k_cache, v_cache, positions, cache_row
     q, gate = qg[..., :dh], qg[..., dh:].reshape(b, t, hq * dh)
     k = linear(x, lp["wk"]).reshape(b, t, hkv, dh)
     v = linear(x, lp["wv"]).reshape(b, t, hkv, dh)
-    q = _partial_rope(zc_rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-    k = _partial_rope(zc_rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
+    q = rope(zc_rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)  # the first rotary_dim dims
+    k = rope(zc_rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
 
     k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
     attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask).reshape(b, t, hq * dh)
@@ -509,10 +498,6 @@ def _gdn_layer(cfg: HybridConfig, lp, x, window, state, *, parent, lengths, keep
     return out, window, state, ((windows, states) if keep_states else None)
 
 
-def _swiglu(x, w_gate, w_up, w_down):
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
-
-
 def _moe(cfg: HybridConfig, lp, x):
     """Sparse MoE with a sigmoid-gated shared expert. x [B, T, D].
 
@@ -544,7 +529,7 @@ def _moe(cfg: HybridConfig, lp, x):
         out = jnp.einsum("end,ne->nd", jnp.einsum("enf,edf->end", hidden, lp["e_down"]), combine)
     # The shared expert's gate is one output row: a product and a sum (as a matmul XLA:CPU copies it).
     gate = jax.nn.sigmoid(jnp.sum(xf * lp["shared_gate"][0], axis=-1, keepdims=True))
-    shared = _swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * gate
+    shared = swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * gate
     return (out + shared).reshape(b, t, d)
 
 
@@ -600,7 +585,7 @@ def _layer(cfg: HybridConfig, i: int, lp: dict, h, state: tuple, ps: PassInputs)
                                                chunk_size=ps.chunk_size)
     h = h + out
     x = zc_rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = h + (_moe(cfg, lp, x) if cfg.mlp_types[i] == "moe" else _swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"]))
+    h = h + (_moe(cfg, lp, x) if cfg.mlp_types[i] == "moe" else swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"]))
     return h, tuple(state), per_position
 
 
@@ -657,9 +642,8 @@ def forward(
 
 
 def logits(params: dict, cfg: HybridConfig, hidden: jax.Array) -> jax.Array:
-    """LM head: hidden [..., D] -> float32 logits [..., V]."""
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, D] either way
-    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+    """LM head: final-normed hidden [..., D] -> float32 logits [..., V]."""
+    return lm_logits(hidden, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
 
 
 # --- modules ------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ all read those declarations. `forward` applies the module to the pytree: inside 
 only traced, so the compiled loop carries plain arrays and pays nothing per call for the framework.
 
 Parameters (a plain nested dict; `layers` is a list with one dict per layer, so that no pass slices a
-weight out of a stacked array; matrices stored [out, in] as HF stores them, applied by `linear`):
+weight out of a stacked array; matrices stored [out, in] as HF stores them, applied by `layers.linear`):
 
     embed [V, D]; final_norm [D]; lm_head [V, D] (absent when embeddings are tied)
     layers[i]: attn_norm [D], wq [Hq*Dh, D], wk/wv [Hkv*Dh, D], wo [D, Hq*Dh],
@@ -32,9 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import kernels
+from jspec.kernels.tree import layer_attention
 from jspec.models.attention import KV_CHUNK, attend, write_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
+from jspec.models.layers import linear, lm_logits, rms_norm, rope, swiglu
 
 
 # The longest pass without a tree mask that attention="pallas" sends through the kernel: decode and
@@ -71,35 +74,6 @@ class ForwardOut(NamedTuple):
     taps: jax.Array | None  # [n_taps, B, T, D] outputs of the requested layers (HF hidden_states[i+1])
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] times a matrix stored [out, in] (HF's orientation): y = x @ w.T.
-
-    Stored this way because a decode step is a matrix-vector product per weight matrix, and reading
-    each output's weights as one contiguous row is the fast one on XLA:CPU (this CPU, float32, matrices
-    far beyond the caches: 31-32 GB/s for [out, in] against 21-27 GB/s for [in, out], on par with
-    torch's `linear`); XLA:TPU and XLA:GPU contract either orientation without a copy (checked by the
-    deviceless `--aot` compiles). It also makes HF loading a plain read, no transpose.
-    """
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, H, Dh], positions [B, T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, positions, cache_rows, ctx_len,
            tree_mask, attention: str, kv_chunk: int | None):
     """One decoder layer. h [B, T, D]; k_cache/v_cache [B, Hkv, S, Dh] for this layer."""
@@ -122,24 +96,16 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, pos
 
     k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
     if attention == "pallas" and (tree_mask is not None or t <= KERNEL_MAX_TOKENS):
-        from jspec.kernels import tree  # imported here: jspec.kernels imports this module
-
         # A chain (or single-token) pass is the tree whose ancestors are the earlier positions.
         visible = tree_mask if tree_mask is not None else positions[:, None, :] <= positions[:, :, None]
-        attn = tree.layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible,
-                                    jnp.int32(window))
+        attn = layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible, jnp.int32(window))
     else:
         attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk)
     h = h + linear(attn.reshape(b, t, hq * dh), lp["wo"])
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = linear(x, lp["w_gate"]), linear(x, lp["w_up"])
-    if cfg.mlp_bias:
-        gate, up = gate + lp["b_gate"], up + lp["b_up"]
-    down = linear(jax.nn.silu(gate) * up, lp["w_down"])
-    if cfg.mlp_bias:
-        down = down + lp["b_down"]
-    return h + down, k_cache, v_cache
+    biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if cfg.mlp_bias else ()
+    return h + swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"], *biases), k_cache, v_cache
 
 
 def forward(
@@ -178,9 +144,7 @@ def forward(
     in place.
     """
     if attention != "reference":
-        from jspec.kernels import resolve  # imported here: jspec.kernels imports this module
-
-        attention = resolve(attention)
+        attention = kernels.resolve(attention)
     if cache_rows is None:
         if tree_mask is not None:
             raise ValueError("a tree pass needs cache_rows: its nodes' positions repeat across branches, and "
@@ -193,9 +157,8 @@ def forward(
 
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """LM head: hidden [..., D] -> float32 logits [..., V]."""
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, D] either way
-    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+    """LM head: final-normed hidden [..., D] -> float32 logits [..., V]."""
+    return lm_logits(hidden, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
 
 
 class DecoderLayer(nn.Module):
