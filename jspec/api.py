@@ -13,9 +13,8 @@ import numpy as np
 
 from jspec import parallel
 from jspec.decode import ar, spec
-from jspec.drafters.base import REGISTRY, Drafter
-from jspec.io.hf import load_params
-from jspec.io.tokenizer import load_tokenizer
+from jspec.drafters import Drafter, family
+from jspec.io.models import load_model
 from jspec.models.config import ModelConfig
 from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
@@ -59,27 +58,7 @@ def load_target(path: str, dtype=jnp.float32) -> Target:
     """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json), or a
     built-in model by name ('builtin:code-target')."""
     path = resolve_path(path)
-    cfg_path = os.path.join(path, "config.json")
-    model_type = None
-    if os.path.exists(cfg_path):
-        import json
-
-        with open(cfg_path) as f:
-            model_type = json.load(f).get("model_type")
-    from jspec.models import hybrid
-
-    if model_type in hybrid.SUPPORTED_ARCHITECTURES:  # Gated DeltaNet hybrids
-        from jspec.io.hf_hybrid import load_hybrid_params
-
-        cfg, params = load_hybrid_params(path, dtype=dtype)
-    else:
-        cfg, params = load_params(path, dtype=dtype)
-    tok = load_tokenizer(path)
-    if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer.json in {path!r} has {tok.get_vocab_size()} tokens but the model's vocabulary is "
-            f"{cfg.vocab_size}: the tokenizer does not belong to this checkpoint"
-        )
+    cfg, params, tok = load_model(path, dtype)
     return Target(cfg, params, tok, path)
 
 
@@ -119,47 +98,29 @@ def default_cache_size(max_prompt: int, max_new_tokens: int, bucket: int = 64) -
 
 
 def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budget: int = 0):
-    """A drafter and its parameters from a name ("lookup") or a checkpoint directory: a DFlash (z-lab) or
-    DSpark (DeepSpec) drafter, or a small HF causal LM sharing the target's tokenizer. For DFlash /
-    DSpark, block_size is the checkpoint's; tree_budget > 0 builds DDTree trees from its drafts."""
-    from jspec.drafters.lm import SmallLM
-    from jspec.drafters.lookup import PromptLookup
-
+    """A drafter and its parameters, at this draft shape (`Family.with_shape`), from:
+    - a registered family's name for parameter-free drafters ("lookup");
+    - a checkpoint folder or "builtin:NAME": the one registered family whose `detect` accepts its
+      config.json loads it (z-lab DFlash, DeepSpec DSpark, a small HF causal LM sharing the target's
+      tokenizer, or any family registered with jspec.drafters.register_family);
+    - a Drafter instance (no parameters) or a (Drafter, params) pair, used as given.
+    Checkpoint drafters whose block size is fixed by training keep it; tree_budget > 0 drafts trees."""
     if isinstance(spec_or_path, Drafter):
         return spec_or_path, ()
     if isinstance(spec_or_path, tuple):  # (Drafter, params)
         return spec_or_path
-    if spec_or_path == "lookup":
-        return PromptLookup(block_size=block_size, tree_budget=tree_budget, vocab_size=target.cfg.vocab_size), ()
-    from jspec.drafters.dflash import DFlash
-    from jspec.drafters.dspark import DSpark
-    from jspec.io import drafters as drafter_io
-
-    if isinstance(spec_or_path, str) and spec_or_path.startswith("builtin:"):
-        spec_or_path = resolve_path(spec_or_path)
-    if isinstance(spec_or_path, str) and os.path.isdir(spec_or_path):
-        fmt = drafter_io.drafter_format(drafter_io.read_config(spec_or_path))
-        dtype = target.params["embed"].dtype
-        if fmt == "dflash":
-            cfg, params = drafter_io.load_dflash(spec_or_path, dtype)
-            return DFlash(cfg=cfg, target_cfg=target.cfg, tree_budget=tree_budget), params
-        if fmt == "dspark":
-            cfg, params = drafter_io.load_dspark(spec_or_path, dtype)
-            return DSpark(spark=cfg, target_cfg=target.cfg, tree_budget=tree_budget), params
-        if tree_budget:
-            raise ValueError("the small-LM drafter drafts chains: drop --tree-budget or use --drafter lookup")
-        small = load_target(spec_or_path, dtype=target.params["embed"].dtype)
-        if small.tokenizer is not None and target.tokenizer is not None and (
-            small.tokenizer.get_vocab() != target.tokenizer.get_vocab()
-        ):
-            raise ValueError(
-                f"drafter {spec_or_path!r} has a different tokenizer from the target {target.path!r}: "
-                "drafter and target must share one tokenizer"
-            )
-        return SmallLM(cfg=small.cfg, block_size=block_size), small.params
+    if isinstance(spec_or_path, str) and spec_or_path in family.named():
+        fam = family.get_family(spec_or_path)
+        return fam.with_shape(fam.lookup(target), block_size, tree_budget), ()
+    if isinstance(spec_or_path, str):
+        path = resolve_path(spec_or_path)
+        if os.path.isdir(path):
+            fam = family.detect(path)
+            dr, params = fam.load(path, target, target.params["embed"].dtype)
+            return fam.with_shape(dr, block_size, tree_budget), params
     raise ValueError(
-        f"unknown drafter {spec_or_path!r}: use one of {sorted(set(REGISTRY) - {'lm'})} + 'none', "
-        "or the path of a small Hugging Face LM sharing the target's tokenizer"
+        f"unknown drafter {spec_or_path!r}: use none, {', '.join(family.named())}, builtin:NAME, or the folder of a "
+        "drafter checkpoint (families: " + ", ".join(f for f, fam in family.FAMILIES.items() if fam.detect) + ")"
     )
 
 
@@ -193,11 +154,11 @@ def generate(
     instance's own setting and the reference attention.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
-    mesh: None (one device, or the mesh of an enclosing `jspec.parallel.use_mesh` block), or a
-    jax.sharding.Mesh from jspec.parallel.make_mesh: the target and drafter parameters are placed by
-    jspec.parallel's rules (tensor parallel over `model`), the batch over `data` x `fsdp` (the number
-    of prompts must divide by it), and the same compiled loop runs SPMD over the mesh, on one host or
-    many (every process calls generate with the same arguments; each gets the whole result).
+    mesh: None (one device), or a jax.sharding.Mesh from jspec.parallel.make_mesh: the target and
+    drafter parameters are placed by jspec.parallel's rules (tensor parallel over `model`), the batch
+    over `data` x `fsdp` (the number of prompts must divide by it), and the same compiled loop runs
+    SPMD over the mesh, on one host or many (every process calls generate with the same arguments;
+    each gets the whole result).
     """
     cfg = target.cfg
     if not isinstance(sampling, SamplingParams):
@@ -223,7 +184,6 @@ def generate(
                            attention=kernels or "reference")
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
     params, fetch = target.params, jax.device_get
-    mesh = parallel.active_mesh() if mesh is None else mesh
     if mesh is not None:
         params = parallel.place_target(target, mesh).params
         args = parallel.shard_batch((packed, lens, seeds.astype(np.uint32)), mesh)
@@ -241,8 +201,8 @@ def generate(
     else:
         dr, dparams = prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size)
         sps = _verify_budget(target, dr, verify_budget, len(prompts), cache_size)
-        if kernels is not None and hasattr(dr, "kernels"):
-            dr = dataclasses.replace(dr, kernels=kernels)
+        if kernels is not None:
+            dr = dr.with_kernels(kernels)
         scfg = spec.SpecConfig(dcfg, _default_verifier(verifier, sampling), sps)
         if mesh is not None:
             dparams = parallel.place_drafter(dr, dparams, mesh)
@@ -267,12 +227,11 @@ def generate(
 
 
 def _verify_budget(target, drafter, verify_budget, batch: int, cache_size: int):
-    from jspec.drafters.dspark import DSpark
-
     if verify_budget is None:
         return None
-    if not isinstance(drafter, DSpark) or drafter.kind != "chain" or not drafter.spark.confidence_head:
-        raise ValueError("a verify budget needs a chain drafter with a confidence head (DSpark without a tree budget)")
+    if not drafter.reports_confidence:
+        raise ValueError("a verify budget needs a chain drafter that reports confidences (e.g. DSpark with its "
+                         "confidence head, without a tree budget)")
     g = drafter.num_drafts
     if verify_budget == "profile":
         from jspec.decode import profile

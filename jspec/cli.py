@@ -3,7 +3,8 @@
     jspec generate --target PATH (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json]
                    [--drafter none|lookup|PATH] [--verifier greedy|speculative|block|gumbel]
-                   [--block-size G] [--tree-budget N]
+                   [--block-size G] [--tree-budget N] [--mesh data=D,fsdp=F,model=M]
+    jspec train    target|FAMILY --config JSON --out RUN_DIR [--mesh data=D,fsdp=F,model=M]
     jspec demo     create a small random model in HF format, reload it and generate
 """
 
@@ -22,6 +23,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="request seed; noise is keyed by (seed, position)")
 
 
+def _mesh(args):
+    """The mesh named by --mesh, or None (one device)."""
+    if not args.mesh:
+        return None
+    from jspec import parallel
+
+    return parallel.make_mesh(**parallel.parse_mesh(args.mesh))
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -30,6 +40,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jspec.drafters import family
     from jspec.verify import rules
 
     parser = argparse.ArgumentParser(prog="jspec", description="Lossless speculative decoding in JAX")
@@ -49,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     sp = gen.add_argument_group("speculative decoding")
     sp.add_argument("--drafter", default=None,
-                    help="none (plain autoregressive, the default with --target), lookup (prompt lookup), "
-                         "PATH of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
-                         "tokenizer, or builtin:NAME")
+                    help="none (plain autoregressive, the default with --target), "
+                         + ", ".join(f"{n} ({family.get_family(n).summary})" for n in family.named())
+                         + ", builtin:NAME, or the folder of a drafter checkpoint: "
+                         + "; ".join(f.summary for f in family.FAMILIES.values() if f.detect))
     sp.add_argument("--kernels", default="reference", choices=["reference", "pallas", "auto"],
                     help="draft-layer and target-attention kernels (auto: Pallas on TPU/GPU, reference on CPU)")
     sp.add_argument("--verify-budget", action="store_true",
@@ -63,14 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: greedy at temperature 0, gumbel otherwise")
     sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
+    gen.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                     help="run on a device mesh of axes data, fsdp, model, e.g. model=4 (tensor parallel; one "
+                          "prompt needs data = fsdp = 1; data takes the devices left over); default: one device")
 
     tr = sub.add_parser("train", help="train the target LM or a drafter from a config")
-    tr.add_argument("what", choices=["target", "dflash", "dspark"], help="what to train")
+    tr.add_argument("what", choices=["target", *family.trainable()],
+                    help="the target LM, or a drafter of a family with a training recipe")
     tr.add_argument("--target", help="the target model directory (drafters)")
     tr.add_argument("--config", required=True, help="training config JSON (see configs/)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, model/)")
     tr.add_argument("--steps", type=int, default=None, help="stop at this step (default: the config's)")
     tr.add_argument("--no-progress", action="store_true")
+    tr.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                    help="train the target on a device mesh of axes data, fsdp, model, e.g. data=2,fsdp=4 (data "
+                         "takes the devices left over); default: one device")
 
     from jspec.bench.cli import add_arguments as add_bench_arguments
 
@@ -94,6 +113,7 @@ def cmd_generate(args) -> int:
 
     import jspec
 
+    mesh = _mesh(args)
     showcase = args.target is None
     target_path = args.target or "builtin:code-target"
     drafter = args.drafter or ("builtin:code-dflash" if showcase else "none")
@@ -104,7 +124,8 @@ def cmd_generate(args) -> int:
         prompt = _parse_ids(args.prompt_ids)
     else:
         prompt = target.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size)
+    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size,
+              mesh=mesh)
     def run(d):
         if d == "none":
             return jspec.generate(target, [prompt], **kw)
@@ -145,10 +166,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.mesh and args.what != "target":
+        raise ValueError(f"--mesh trains the target only; a {args.what} drafter trains on one device: "
+                         f"drop --mesh from `jspec train {args.what}`")
     if args.what == "target":
         from jspec.train import lm
 
-        model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress)
+        model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress,
+                                       mesh=_mesh(args))
     else:
         from jspec.train import distill
 
@@ -193,7 +218,11 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args) -> int:
+    """Run parsed `jspec` arguments; a ValueError or a missing file is reported as an error, exit code 2."""
     try:
         return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
     except (ValueError, FileNotFoundError) as err:

@@ -30,7 +30,10 @@ from jspec.drafters.dflash import (
 from jspec.drafters.dflash import init_params as dflash_init
 from jspec.drafters.dspark import DSpark, DSparkConfig
 from jspec.drafters.dspark import init_params as dspark_init
-from jspec.io import drafters as drafter_io
+from jspec.drafters.dflash import load_checkpoint as load_dflash
+from jspec.drafters.dflash import save_checkpoint as save_dflash
+from jspec.drafters.dspark import load_checkpoint as load_dspark
+from jspec.drafters.dspark import save_checkpoint as save_dspark
 from jspec.io.hf import CheckpointError
 from jspec.models import transformer
 from jspec.verify.sampling import SamplingParams
@@ -194,39 +197,39 @@ def _assert_same_tree(a, b):
 def test_dflash_checkpoint_round_trip(target, tmp_path):
     cfg = _dflash_cfg(target, block=6, sliding=8)
     params = dflash_init(cfg, jax.random.key(2))
-    drafter_io.save_dflash(str(tmp_path / "a"), cfg, params)
+    save_dflash(str(tmp_path / "a"), cfg, params)
     hf = json.loads((tmp_path / "a" / "config.json").read_text())
     assert hf["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [0, 2]} and hf["block_size"] == 6
     names = set(load_file(str(tmp_path / "a" / "model.safetensors")))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"} <= names
     assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
-    cfg2, params2 = drafter_io.load_dflash(str(tmp_path / "a"))
+    cfg2, params2 = load_dflash(str(tmp_path / "a"))
     assert cfg2 == cfg
     _assert_same_tree(params, params2)
-    drafter_io.save_dflash(str(tmp_path / "b"), cfg2, params2)
+    save_dflash(str(tmp_path / "b"), cfg2, params2)
     ta, tb = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
     assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
     # The older naming loads to the same parameters.
     old = {("encoder.fc." + k[3:] if k.startswith("fc.") else
             "encoder.output_norm_enc." + k[12:] if k.startswith("hidden_norm.") else k): t for k, t in ta.items()}
     save_file(old, str(tmp_path / "a" / "model.safetensors"))
-    _assert_same_tree(params, drafter_io.load_dflash(str(tmp_path / "a"))[1])
+    _assert_same_tree(params, load_dflash(str(tmp_path / "a"))[1])
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_dspark_checkpoint_round_trip(target, tmp_path, head):
     cfg = _spark_cfg(target, head)
     params = dspark_init(cfg, jax.random.key(5), target.params)
-    drafter_io.save_dspark(str(tmp_path / "a"), cfg, params)
+    save_dspark(str(tmp_path / "a"), cfg, params)
     hf = json.loads((tmp_path / "a" / "config.json").read_text())
     assert hf["architectures"] == ["Qwen3DSparkModel"] and hf["markov_head_type"] == head
     t = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert t["markov_head.markov_w1.weight"].shape == (128, 8) and t["markov_head.markov_w2.weight"].shape == (128, 8)
     assert t["confidence_head.proj.weight"].shape == (1, 64 + 8)
-    cfg2, params2 = drafter_io.load_dspark(str(tmp_path / "a"))
+    cfg2, params2 = load_dspark(str(tmp_path / "a"))
     assert cfg2 == cfg
     _assert_same_tree(params, params2)
-    drafter_io.save_dspark(str(tmp_path / "b"), cfg2, params2)
+    save_dspark(str(tmp_path / "b"), cfg2, params2)
     t2 = load_file(str(tmp_path / "b" / "model.safetensors"))
     assert t.keys() == t2.keys() and all(np.array_equal(t[k], t2[k]) for k in t)
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == hf
@@ -234,13 +237,13 @@ def test_dspark_checkpoint_round_trip(target, tmp_path, head):
 
 def test_checkpoint_with_a_bad_tensor_names_it(target, tmp_path):
     cfg = _spark_cfg(target)
-    drafter_io.save_dspark(str(tmp_path), cfg, dspark_init(cfg, jax.random.key(6), target.params))
+    save_dspark(str(tmp_path), cfg, dspark_init(cfg, jax.random.key(6), target.params))
     t = load_file(str(tmp_path / "model.safetensors"))
     del t["layers.1.mlp.up_proj.weight"]
     t["markov_head.markov_w1.weight"] = np.zeros((128, 4), np.float32)
     save_file(t, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        drafter_io.load_dspark(str(tmp_path))
+        load_dspark(str(tmp_path))
     assert "layers.1.mlp.up_proj.weight" in str(err.value)
     assert "markov_head.markov_w1.weight: checkpoint (128, 4) vs config (128, 8)" in str(err.value)
 
@@ -252,9 +255,9 @@ def test_checkpoint_with_a_bad_tensor_names_it(target, tmp_path):
 def drafter_dirs(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("drafters")
     cfg = _dflash_cfg(target, block=5)
-    drafter_io.save_dflash(str(root / "dflash"), cfg, dflash_init(cfg, jax.random.key(7), std=0.2))
+    save_dflash(str(root / "dflash"), cfg, dflash_init(cfg, jax.random.key(7), std=0.2))
     scfg = _spark_cfg(target, "rnn")
-    drafter_io.save_dspark(str(root / "dspark"), scfg, dspark_init(scfg, jax.random.key(8), target.params, std=0.2))
+    save_dspark(str(root / "dspark"), scfg, dspark_init(scfg, jax.random.key(8), target.params, std=0.2))
     return {"dflash": str(root / "dflash"), "dspark": str(root / "dspark")}
 
 
@@ -279,7 +282,7 @@ def test_cli_accepts_drafter_checkpoints(target, drafter_dirs, capsys):
 
 
 def test_budgeted_dspark_loop_is_exact(target, drafter_dirs):
-    cfg, params = drafter_io.load_dspark(drafter_dirs["dspark"])
+    cfg, params = load_dspark(drafter_dirs["dspark"])
     g = cfg.backbone.num_drafts
     secs = {w: 1e-3 * (1 + 0.3 * w) for w in spec.width_buckets(g)}  # a steeply rising cost curve
     sps = profile.sps_table(secs, len(PROMPTS), g)

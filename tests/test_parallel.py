@@ -183,21 +183,42 @@ def test_host_local_batches_are_the_one_process_batches():
         np.testing.assert_array_equal(batches[i], reference[i])
 
 
-def test_use_mesh_sets_the_default_mesh_of_generate_inside_the_block():
-    from jspec import parallel
+def test_the_library_does_not_import_the_commands():
+    """jspec.api imports jspec.parallel, so the library part imports neither the API nor the commands."""
+    import ast
 
-    mesh = parallel.make_mesh()
-    assert parallel.active_mesh() is None  # no block: jspec.generate runs on one device, as before
-    with parallel.use_mesh(mesh):
-        assert parallel.active_mesh() is mesh
-    assert parallel.active_mesh() is None
+    folder = os.path.join(ROOT, "jspec", "parallel")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name == "__main__.py":
+            continue
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        bad = [m for m in imported if m == "jspec" or m.split(".")[:2] in (["jspec", "api"], ["jspec", "cli"],
+                                                                          ["jspec", "bench"])]
+        assert not bad, (name, bad)
 
 
-def test_the_multi_host_command_refuses_what_it_does_not_run(capsys):
-    from jspec import parallel
+def test_the_multi_host_command_refuses_what_it_does_not_run():
+    cmd = [sys.executable, "-m", "jspec.parallel", "--mesh", "data=1", "train", "dflash", "--config", "c.json",
+           "--out", "o"]
+    out = subprocess.run(cmd, env=_script_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "run `jspec train dflash` on one host" in out.stderr, out.stderr[-2000:]
 
-    code = parallel.main(["--mesh", "data=1", "train", "dflash", "--config", "c.json", "--out", "o"])
-    assert code == 2 and "run `jspec train dflash` on one host" in capsys.readouterr().err
+
+def test_drafter_training_refuses_a_mesh(capsys):
+    from jspec.cli import main
+
+    argv = ["train", "dflash", "--mesh", "data=1", "--config", "c.json", "--target", "t", "--out", "o"]
+    assert main(argv) == 2
+    assert "drop --mesh from `jspec train dflash`" in capsys.readouterr().err
+
+
+def test_a_bad_mesh_is_an_error_of_the_command(capsys):
+    from jspec.cli import main
+
+    assert main(["generate", "--target", "t", "--prompt-ids", "1", "--mesh", "tensor=2"]) == 2
+    assert "AXIS=SIZE" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,12 +226,17 @@ def test_the_multi_host_command_refuses_what_it_does_not_run(capsys):
 
 
 def _eight_devices(out_dir: str) -> None:
+    import contextlib
+    import io
+
     import jax
     from jax.sharding import PartitionSpec as P
 
     import jspec
     from jspec import parallel
+    from jspec.cli import main as cli_main
     from jspec.decode import ar
+    from jspec.io.hf import save_params
     from jspec.models import transformer
     from jspec.train import data
 
@@ -228,6 +254,17 @@ def _eight_devices(out_dir: str) -> None:
             greedy_reference = single.tokens
     with pytest.raises(ValueError, match="does not split over"):
         jspec.generate(target, PROMPTS[:3], max_new_tokens=2, mesh=mesh)
+
+    # The command: `jspec generate --mesh` (4 query heads over model = 4) prints the one-device tokens.
+    model_dir = os.path.join(out_dir, "model")
+    save_params(model_dir, target.cfg, target.params)
+    printed = {}
+    for mesh_args in ([], ["--mesh", "data=1,model=4"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["generate", "--target", model_dir, *GENERATE, *mesh_args]) == 0
+        printed[bool(mesh_args)] = json.loads(out.getvalue())["tokens"]
+    results["cli"] = {"same_tokens": printed[True] == printed[False], "tokens": len(printed[False])}
 
     # Plain greedy decoding, and the layout of the loop's carried state: the cache's batch over data,
     # its KV heads over model (2 heads on model = 2), the token buffer's rows over data.
@@ -278,6 +315,7 @@ def test_eight_devices_shard_generation_and_training_exactly(tmp_path):
         assert res[name]["same_tokens"], name
         assert res[name]["rounds"][0] == res[name]["rounds"][1], name
     assert res["ar-greedy"]
+    assert res["cli"]["same_tokens"] and res["cli"]["tokens"] == 8, res["cli"]
     assert res["cache_ok"] and res["tokens_ok"]
     assert res["wq_ok"]  # query heads split over model = 2 (fsdp = 1: the hidden axis stays whole)
     assert res["trained_ok"], res["trained_wq"]
@@ -287,7 +325,8 @@ def test_eight_devices_shard_generation_and_training_exactly(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Two processes with jax.distributed over 127.0.0.1 (gloo CPU collectives), 2 devices each, running
 # the commands a user runs on every host: `python -m jspec.parallel train target ...` (twice: the
-# second resumes from the first's checkpoint) and `python -m jspec.parallel generate ...`.
+# second resumes from the first's checkpoint; jspec.train.lm.pretrain_target with a mesh) and
+# `python -m jspec.parallel generate ...`.
 
 TRAIN_MESH = "data=1,fsdp=2,model=2"  # process p holds fsdp row p: every weight is split across processes
 GENERATE = ["--prompt-ids", "1,2,3,4,5,1,2,3", "--max-new-tokens", "8", "--temperature", "1", "--seed", "7",
@@ -314,17 +353,17 @@ def _two_processes(out_dir: str) -> None:
 
     import jax
 
-    from jspec import parallel
+    from jspec.parallel.__main__ import main
 
     config, run = os.path.join(out_dir, "config.json"), os.path.join(out_dir, "run")
     train = ["--mesh", TRAIN_MESH, "train", "target", "--config", config, "--out", run, "--no-progress"]
-    assert parallel.main([*train, "--steps", "2"]) == 0  # checkpoint at step 2, then stop
+    assert main([*train, "--steps", "2"]) == 0  # checkpoint at step 2, then stop
     assert jax.process_count() == 2 and jax.device_count() == 4
-    assert parallel.main([*train, "--steps", str(TRAIN_STEPS)]) == 0  # restores step 2, trains on
+    assert main([*train, "--steps", str(TRAIN_STEPS)]) == 0  # restores step 2, trains on
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         # No --mesh: one prompt, so the default is tensor parallel over all four devices of both processes.
-        code = parallel.main(["generate", "--target", os.path.join(run, "model"), *GENERATE])
+        code = main(["generate", "--target", os.path.join(run, "model"), *GENERATE])
     assert code == 0
     if jax.process_index() == 0:  # the others print nothing
         with open(os.path.join(out_dir, "generated.json"), "w") as f:

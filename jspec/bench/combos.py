@@ -5,8 +5,9 @@ combination on the host with `jspec.api`'s own checks, so an impossible request 
 tree budget under the chain-only block rule, a greedy rule at temperature > 0, a tree from the small-LM
 drafter) is refused as a whole, naming each bad combination, before anything is compiled.
 
-Axes that do not apply collapse: a DFlash / DSpark checkpoint drafts its own block size (the block-size
-axis is ignored for it) and a prompt-lookup tree ignores the block size; duplicates are measured once.
+Axes that do not apply collapse (each family's `with_shape` says which apply): a DFlash / DSpark checkpoint
+drafts its own block size (the block-size axis is ignored for it) and a prompt-lookup tree ignores the
+block size; duplicates are measured once.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import dataclasses
 import itertools
 import os
 
-import jspec
-from jspec.api import BUILTIN_DIR, prepare_drafter
-from jspec.drafters.base import Drafter
-from jspec.drafters.lm import SmallLM
+from jspec.api import BUILTIN_DIR, load_drafter, prepare_drafter
+from jspec.drafters import Drafter, family
 from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
 
@@ -59,16 +58,18 @@ def installed_builtins() -> list[str]:
 
 
 def check_drafter_name(name: str) -> None:
-    """Raise ValueError listing the valid drafters unless `name` is lookup, an installed built-in or a folder."""
-    if name == "lookup" or (not name.startswith("builtin:") and os.path.isdir(name)):
+    """Raise ValueError listing the valid drafters unless `name` names a parameter-free family, an
+    installed built-in or a folder."""
+    if name in family.named() or (not name.startswith("builtin:") and os.path.isdir(name)):
         return
     have = installed_builtins()
     if name.startswith("builtin:") and name.split(":", 1)[1] in have:
         return
     builtins = ", ".join(f"builtin:{n}" for n in have) or "none installed (train them with `jspec train`)"
-    raise ValueError(f"unknown drafter {name!r}: valid drafters are lookup, the built-in models ({builtins}), "
-                     "or the folder of a DFlash / DSpark checkpoint or of a small HF LM sharing the target's "
-                     "tokenizer (plain AR decoding always runs as the baseline)")
+    checkpoints = ", ".join(f.summary or f.name for f in family.FAMILIES.values() if f.detect is not None)
+    raise ValueError(f"unknown drafter {name!r}: valid drafters are {', '.join(family.named())}, the built-in "
+                     f"models ({builtins}), or the folder of a drafter checkpoint ({checkpoints}); plain AR "
+                     "decoding always runs as the baseline")
 
 
 def resolve_verifier(verifier: str, temperature: float) -> str:
@@ -79,18 +80,6 @@ def resolve_verifier(verifier: str, temperature: float) -> str:
     return verifier
 
 
-def _variant(name: str, loaded, target, block_size: int, tree_budget: int):
-    """The drafter of `name` at this block size / tree budget, from its once-loaded (Drafter, params)."""
-    if name == "lookup":
-        return jspec.load_drafter("lookup", target, block_size=block_size, tree_budget=tree_budget)
-    dr, params = loaded
-    if isinstance(dr, SmallLM):
-        if tree_budget:
-            raise ValueError("the small-LM drafter drafts chains: drop the tree budget for it")
-        return dataclasses.replace(dr, block_size=block_size), params
-    return dataclasses.replace(dr, tree_budget=tree_budget), params  # DFlash / DSpark: the checkpoint's block
-
-
 def expand(target, drafters, verifiers, block_sizes, tree_budgets, temperatures, cache_size: int) -> list[Planned]:
     """Every valid, distinct combination in axis order; ValueError naming all invalid ones otherwise."""
     for name in drafters:
@@ -99,14 +88,15 @@ def expand(target, drafters, verifiers, block_sizes, tree_budgets, temperatures,
         resolve_verifier(v, 0.0)
     for t in temperatures:
         SamplingParams(t)  # rejects negative temperatures with jspec's own message
-    loaded = {n: (None if n == "lookup" else jspec.load_drafter(n, target)) for n in drafters}
+    loaded = {n: load_drafter(n, target) for n in drafters}
     plan, seen, problems = [], set(), []
     for name, verifier, g, n, t in itertools.product(drafters, verifiers, block_sizes, tree_budgets, temperatures):
         sampling = SamplingParams(t)
         try:
             rule = resolve_verifier(verifier, t)
-            dr, params = prepare_drafter(target, _variant(name, loaded[name], target, g, n), sampling, rule,
-                                          g, n, cache_size)
+            dr, params = loaded[name]
+            dr, params = prepare_drafter(target, (family.family_of(dr).with_shape(dr, g, n), params), sampling,
+                                         rule, g, n, cache_size)
         except ValueError as err:
             what = f"tree N={n}" if n else f"g={g}"
             problem = f"{short_name(name)} {what} {verifier} T={t:g}: {err}"

@@ -1,6 +1,9 @@
-"""Drafters: one module per family, registered by name in `base.REGISTRY`."""
+"""Drafters: one module per family (its `Drafter`, checkpoint format and training recipe), each registered
+in `family.FAMILIES`; importing this package imports every built-in family, so the registry is complete."""
 
-from jspec.drafters import lm, lookup
-from jspec.drafters.base import REGISTRY, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal, register
+from jspec.drafters import dflash, dspark, lm, lookup
+from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.family import FAMILIES, Family, TrainRecipe, family_of, get_family, register_family
 
-__all__ = ["REGISTRY", "CommitInfo", "DraftContext", "Drafter", "PrefillInfo", "Proposal", "lm", "lookup", "register"]
+__all__ = ["FAMILIES", "CommitInfo", "DraftContext", "Drafter", "Family", "PrefillInfo", "Proposal", "TrainRecipe",
+           "dflash", "dspark", "family_of", "get_family", "lm", "lookup", "register_family"]

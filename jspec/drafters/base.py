@@ -1,4 +1,4 @@
-"""The drafter protocol and registry.
+"""The drafter protocol.
 
 A drafter is a frozen (hashable) dataclass: its fields are static configuration, its parameters and
 state are pytrees passed explicitly. Per round the loop calls
@@ -9,7 +9,8 @@ state are pytrees passed explicitly. Per round the loop calls
 
 and, once after the target's prefill, `state = drafter.init(dparams, prefill)`.
 
-A new drafter is one module with a `Drafter` subclass plus a `register("name")` decorator.
+A new drafter is one module with a `Drafter` subclass and its `Family` registration
+(jspec.drafters.family: checkpoint detection, loading, saving, draft shape, training recipe).
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ class Drafter(abc.ABC):
     def needs_q(self) -> bool:
         return self.mode == SAMPLE
 
+    @property
+    def reports_confidence(self) -> bool:
+        """Does `propose` fill Proposal.confidence (what a verify budget reads)?"""
+        return False
+
+    def with_kernels(self, kernels: str) -> "Drafter":
+        """This drafter with its hot path on `kernels` ("reference" | "pallas" | "auto", jspec.kernels);
+        a drafter without kernels returns itself."""
+        return self
+
     def validate(self, target_cfg: ModelConfig, dparams: Any) -> None:
         """Host-side checks against the target (vocabulary, taps); raise ValueError naming the fix."""
 
@@ -158,18 +169,6 @@ def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, voca
     for _ in range(index.ndim):
         fn = jax.vmap(fn)
     return fn(seeds_b, index, start_b)
-
-
-REGISTRY: dict[str, type[Drafter]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        REGISTRY[name] = cls
-        cls.registry_name = name
-        return cls
-
-    return deco
 
 
 def point_mass_logp(tokens: jax.Array, vocab: int) -> jax.Array:

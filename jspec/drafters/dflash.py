@@ -33,13 +33,17 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import ddtree
-from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal, register
+from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.family import Family, TrainRecipe, register_family
+from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
+from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
-from jspec.models import transformer
+from jspec.models import layers, transformer
 from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
+from jspec.train import drafter as train_drafter
 
 
 def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
@@ -116,8 +120,8 @@ def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32, std: float
 def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
     """H_ctx [B, T, H] from taps [n, B, T, H]."""
     x = jnp.concatenate(list(taps), axis=-1)
-    fused = transformer.linear(x, params["fc"])
-    return transformer.rms_norm(fused, params["hidden_norm"], cfg.layers.rms_norm_eps)
+    fused = layers.linear(x, params["fc"])
+    return layers.rms_norm(fused, params["hidden_norm"], cfg.layers.rms_norm_eps)
 
 
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
@@ -129,9 +133,9 @@ def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.
     inv_freq = jnp.asarray(default_rope_inv_freq(lc))
 
     def one(lp):
-        k = transformer.linear(h_ctx, lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
-        k = transformer.rope(transformer.rms_norm(k, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
-        return k.reshape(b, t, -1), transformer.linear(h_ctx, lp["wv"])
+        k = layers.linear(h_ctx, lp["wk"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+        k = layers.rope(layers.rms_norm(k, lp["k_norm"], lc.rms_norm_eps), positions, inv_freq)
+        return k.reshape(b, t, -1), layers.linear(h_ctx, lp["wv"])
 
     ks, vs = zip(*(one(lp) for lp in params["layers"]))
     return ks, vs
@@ -159,7 +163,7 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
         h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc,
                                         kv_chunk)
-    return transformer.rms_norm(h, params["norm"], lc.rms_norm_eps)
+    return layers.rms_norm(h, params["norm"], lc.rms_norm_eps)
 
 
 def block_inputs(cfg: DFlashConfig, anchor_tokens: jax.Array) -> jax.Array:
@@ -215,7 +219,6 @@ def target_head(target_params: dict, target_cfg, hidden: jax.Array) -> jax.Array
     return tm.logits(target_params, target_cfg, hidden)
 
 
-@register("dflash")
 @dataclasses.dataclass(frozen=True)
 class DFlash(Drafter):
     cfg: DFlashConfig | None = None
@@ -238,6 +241,9 @@ class DFlash(Drafter):
     @property
     def taps(self) -> tuple[int, ...]:
         return tuple(self.cfg.target_layer_ids)
+
+    def with_kernels(self, kernels: str) -> "DFlash":
+        return dataclasses.replace(self, kernels=kernels)
 
     def validate(self, target_cfg: ModelConfig, dparams) -> None:
         validate_against_target(self.cfg, target_cfg)
@@ -299,3 +305,127 @@ def validate_against_target(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
         problems.append(f"block_size {cfg.block_size} gives no drafts under this block convention")
     if problems:
         raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+
+# --- checkpoints: the z-lab format -----------------------------------------------------------------
+# config.json = Qwen3 fields of the draft stack (`num_hidden_layers` = draft depth) plus `block_size` (top
+# level, or inside `dflash_config` in DFlash2 releases), `num_target_layers`, `layer_types`,
+# `dflash_config: {mask_token_id, target_layer_ids}`; tensors `fc.weight [H, n*H]`, `hidden_norm.weight`,
+# `norm.weight`, `layers.i.*` (no `model.` prefix, no embedding or LM head). The older naming
+# `encoder.fc.*` / `encoder.output_norm_enc.*` is read as `fc.*` / `hidden_norm.*`. `block_size` counts
+# the anchor.
+
+_OLD_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+
+
+def config_from_hf(hf: dict) -> DFlashConfig:
+    where = "DFlash config"
+    (dc,) = required(hf, "dflash_config", where=where)
+    mask, ids = required(dc, "mask_token_id", "target_layer_ids", where=where + " (dflash_config)")
+    block = hf.get("block_size", dc.get("block_size"))
+    if block is None:
+        raise CheckpointError(f"{where}: no block_size at the top level or in dflash_config")
+    (n_target,) = required(hf, "num_target_layers", where=where)
+    return DFlashConfig(layers=stack_config(hf), target_layer_ids=tuple(int(i) for i in ids),
+                        num_target_layers=int(n_target), mask_token_id=int(mask), block_size=int(block),
+                        anchor_predicts=False)
+
+
+def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DFlashConfig, dict]:
+    """(config, parameters) of a z-lab DFlash checkpoint folder; strict about every tensor."""
+    cfg = config_from_hf(read_config(path))
+    found = read_safetensors(path)
+    for old, new in _OLD_NAMES.items():  # the older release's names
+        found = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in found.items()}
+    expected = declared_tensors(declarations(cfg))
+    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"DFlash checkpoint {path!r}",
+                  "point --drafter at a DFlash checkpoint for this config")
+    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+
+
+def save_checkpoint(path: str, cfg: DFlashConfig, params: dict, dtype=None) -> None:
+    if cfg.anchor_predicts:
+        raise ValueError("the z-lab DFlash format stores block_size counting the anchor: save an "
+                         "anchor_predicts drafter with jspec.drafters.dspark.save_checkpoint")
+    config = stack_hf(cfg.layers)
+    config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=cfg.block_size,
+                  num_target_layers=cfg.num_target_layers,
+                  dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
+    write_checkpoint(path, config, export_tensors(params, declared_tensors(declarations(cfg)), dtype))
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+def draft_layers_config(target_cfg, num_layers: int) -> ModelConfig:
+    """A Qwen3 draft stack of `num_layers` layers with the target's width, heads and vocabulary (dense or
+    hybrid target)."""
+    if isinstance(target_cfg, ModelConfig):
+        return dataclasses.replace(target_cfg, num_layers=num_layers, layer_types=(), qk_norm=True, family="qwen3")
+    return ModelConfig(family="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
+                       intermediate_size=target_cfg.intermediate_size, num_layers=num_layers,
+                       num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+                       head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
+                       rope_theta=target_cfg.rope_theta, qk_norm=True,
+                       max_position_embeddings=target_cfg.max_position_embeddings)
+
+
+def config_from_run(section: dict, target_cfg, anchor_predicts: bool) -> DFlashConfig:
+    """A DFlash-style backbone from a run config's "drafter" section: num_layers, mask_token_id,
+    block_size, and target_layer_ids or num_taps (default 1)."""
+    (num_layers, mask, block) = required(section, "num_layers", "mask_token_id", "block_size",
+                                         where="the run config's drafter section")
+    taps = tuple(section.get("target_layer_ids")
+                 or default_target_layer_ids(section.get("num_taps", 1), target_cfg.num_layers))
+    cfg = DFlashConfig(layers=draft_layers_config(target_cfg, int(num_layers)), target_layer_ids=taps,
+                       num_target_layers=target_cfg.num_layers, mask_token_id=int(mask), block_size=int(block),
+                       anchor_predicts=anchor_predicts)
+    validate_against_target(cfg, target_cfg)
+    return cfg
+
+
+def train_hidden(params, cfg: DFlashConfig, embed, taps, tokens, anchors):
+    """Hidden states of the draft slots [B, A, g, H] for blocks at `anchors` [B, A] (one pass)."""
+    b, t = tokens.shape
+    ctx_k, ctx_v = context_kv(params, cfg, taps, jnp.broadcast_to(jnp.arange(t), (b, t)))
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+    hidden = draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchors, block_inputs(cfg, anchor_tok))
+    return hidden if cfg.anchor_predicts else hidden[:, :, 1:]
+
+
+def _build(run: dict, target, key) -> tuple[DFlash, dict]:
+    cfg = config_from_run(run["drafter"], target.cfg, anchor_predicts=False)
+    return DFlash(cfg=cfg, target_cfg=target.cfg), init_params(cfg, key, std=run.get("init_std", 0.02))
+
+
+def train_loss(params, target_params, target_cfg, drafter: DFlash, spec, batch: dict, key: jax.Array):
+    """Scalar loss and metrics of a DFlash drafter (the run's distribution loss over its block slots).
+    batch: tokens [B, T], loss_mask [B, T]."""
+    cfg = drafter.cfg
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, cfg.target_layer_ids)
+    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    labels, mask, p_t = train_drafter.block_targets(cfg.num_drafts, tokens, loss_mask, target_logp, anchors, valid)
+    hidden = train_hidden(params, cfg, target_params["embed"], taps, tokens, anchors)
+    draft_logp = jax.nn.log_softmax(target_head(target_params, target_cfg, hidden), axis=-1)
+    loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+    return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
+
+
+def _load(path: str, target, dtype) -> tuple[DFlash, dict]:
+    cfg, params = load_checkpoint(path, dtype)
+    return DFlash(cfg=cfg, target_cfg=getattr(target, "cfg", None)), params
+
+
+def _save(path: str, drafter: DFlash, params: dict, dtype=None) -> None:
+    save_checkpoint(path, drafter.cfg, params, dtype)
+
+
+def with_shape(drafter: DFlash, block_size: int, tree_budget: int) -> DFlash:
+    """The block size is the checkpoint's (the drafter was trained for it); a tree budget builds DDTree trees."""
+    return dataclasses.replace(drafter, tree_budget=tree_budget)
+
+
+register_family(Family(name="dflash", drafter=DFlash, detect=lambda hf: "dflash_config" in hf, load=_load,
+                       save=_save, with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       summary="z-lab DFlash: config.json with a dflash_config section"))

@@ -31,10 +31,16 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import ddtree
-from jspec.drafters.base import SAMPLE, DraftContext, Proposal, register
+from jspec.drafters import dflash
+from jspec.drafters.base import SAMPLE, DraftContext, Proposal
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState, draft_block
+from jspec.drafters.family import Family, TrainRecipe, register_family
+from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
+from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.models import transformer
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
+from jspec.train import drafter as train_drafter
+from jspec.train import losses
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -46,6 +52,7 @@ class DSparkConfig:
     markov_head_type: str = "vanilla"
     confidence_head: bool = True
     confidence_with_markov: bool = True
+    num_anchors: int = 512  # training anchors per sequence (a DeepSpec config field; no effect on drafting)
 
     def __post_init__(self):
         if not self.backbone.anchor_predicts:
@@ -159,7 +166,6 @@ def confidence(params: dict, cfg: DSparkConfig, h: jax.Array, e: jax.Array | Non
     return jax.nn.sigmoid((x @ params["confidence"]["w"])[..., 0] + params["confidence"]["b"][0])
 
 
-@register("dspark")
 @dataclasses.dataclass(frozen=True)
 class DSpark(DFlash):
     spark: DSparkConfig | None = None
@@ -167,6 +173,10 @@ class DSpark(DFlash):
     def __post_init__(self):
         if self.spark is not None and self.cfg is None:
             object.__setattr__(self, "cfg", self.spark.backbone)
+
+    @property
+    def reports_confidence(self) -> bool:
+        return self.kind == "chain" and self.spark.confidence_head
 
     def param_axes(self):
         return logical_axes(declarations(self.spark))
@@ -204,3 +214,112 @@ class DSpark(DFlash):
         _, (tokens, logp, conf) = jax.lax.scan(slot, (anchor, s0), jnp.arange(g))
         q = None if logp is None else jnp.moveaxis(logp, 0, 1)
         return Proposal(tokens.T, q, confidence=conf.T), state
+
+
+# --- checkpoints: the DeepSpec format ------------------------------------------------------------------
+# The DFlash backbone's names and config fields at the top level, architectures `Qwen3DSparkModel`, plus
+# `embed_tokens.weight`, `lm_head.weight`, `markov_head.markov_w1.weight [V, r]` (an embedding),
+# `markov_head.markov_w2.weight [V, r]` (a Linear r -> V, [out, in]), `markov_head.gate_proj.{weight,bias}`
+# (gated) or `markov_head.joint_proj.{weight,bias}` (rnn) and `confidence_head.proj.{weight [1, H(+r)],
+# bias [1]}`. The gated / rnn tensor names are not confirmed against a released file; this module uses
+# exactly these names in both directions.
+
+
+def is_dspark_config(hf: dict) -> bool:
+    return "Qwen3DSparkModel" in (hf.get("architectures") or []) or "markov_rank" in hf
+
+
+def config_from_hf(hf: dict) -> DSparkConfig:
+    where = "DSpark config"
+    ids, mask, anchors, conf, rank = required(hf, "target_layer_ids", "mask_token_id", "num_anchors",
+                                              "enable_confidence_head", "markov_rank", where=where)
+    head_type = required(hf, "markov_head_type", where=where)[0] if rank else "vanilla"
+    with_markov = required(hf, "confidence_head_with_markov", where=where)[0] if conf else False
+    (block,) = required(hf, "block_size", where=where)
+    backbone = DFlashConfig(layers=stack_config(hf), target_layer_ids=tuple(int(i) for i in ids),
+                            num_target_layers=int(hf.get("num_target_layers", 0)), mask_token_id=int(mask),
+                            block_size=int(block), anchor_predicts=True)
+    return DSparkConfig(backbone=backbone, markov_rank=int(rank), markov_head_type=head_type,
+                        confidence_head=bool(conf), confidence_with_markov=bool(with_markov),
+                        num_anchors=int(anchors))
+
+
+def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DSparkConfig, dict]:
+    """(config, parameters) of a DeepSpec DSpark checkpoint folder; strict about every tensor."""
+    cfg = config_from_hf(read_config(path))
+    found = read_safetensors(path)
+    expected = declared_tensors(declarations(cfg))
+    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"DSpark checkpoint {path!r}",
+                  "point --drafter at a DSpark checkpoint for this config")
+    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+
+
+def save_checkpoint(path: str, cfg: DSparkConfig, params: dict, dtype=None) -> None:
+    b = cfg.backbone
+    config = stack_hf(b.layers)
+    config.update(architectures=["Qwen3DSparkModel"], model_type="qwen3", block_size=b.block_size,
+                  mask_token_id=b.mask_token_id, target_layer_ids=list(b.target_layer_ids),
+                  num_target_layers=b.num_target_layers, num_anchors=cfg.num_anchors, markov_rank=cfg.markov_rank,
+                  markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.confidence_head,
+                  confidence_head_with_markov=cfg.confidence_with_markov)
+    write_checkpoint(path, config, export_tensors(params, declared_tensors(declarations(cfg)), dtype))
+
+
+# --- training -----------------------------------------------------------------------------------------
+
+
+def _build(run: dict, target, key) -> tuple[DSpark, dict]:
+    d = run["drafter"]
+    spark = DSparkConfig(backbone=dflash.config_from_run(d, target.cfg, anchor_predicts=True),
+                         markov_rank=d.get("markov_rank", 64), markov_head_type=d.get("markov_head_type", "vanilla"),
+                         num_anchors=d.get("num_anchors", 16))
+    return DSpark(spark=spark, target_cfg=target.cfg), init_params(spark, key, target.params,
+                                                                    std=run.get("init_std", 0.02))
+
+
+def train_loss(params, target_params, target_cfg, drafter: DSpark, spec, batch: dict, key: jax.Array):
+    """DSpark: Markov head teacher-forced on the true previous token; 0.1 CE + 0.9 L1 + confidence BCE."""
+    cfg = drafter.spark
+    b_cfg = cfg.backbone
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, b_cfg.target_layer_ids)
+    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    labels, mask, p_t = train_drafter.block_targets(b_cfg.num_drafts, tokens, loss_mask, target_logp, anchors,
+                                                    valid)
+    hidden = dflash.train_hidden(params, b_cfg, params["embed"], taps, tokens, anchors)  # [B, A, g, H]
+    logits = jnp.einsum("bagh,vh->bagv", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+    prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)  # teacher forcing
+    b, a, g, h = hidden.shape
+    conf = jnp.ones((b, a, g), jnp.float32)
+    if cfg.markov_rank:
+        flat_h, flat_prev = hidden.reshape(b * a, g, h), prev.reshape(b * a, g)
+
+        def slot(s, k):
+            bias, e, s = markov_bias(params, cfg, flat_h[:, k], flat_prev[:, k], s)
+            c = confidence(params, cfg, flat_h[:, k], e) if cfg.confidence_head else jnp.ones((b * a,))
+            return s, (bias, c)
+
+        _, (bias, c) = jax.lax.scan(slot, jnp.zeros((b * a, cfg.markov_rank)), jnp.arange(g))
+        logits = logits + jnp.moveaxis(bias, 0, 1).reshape(b, a, g, -1)
+        conf = jnp.moveaxis(c, 0, 1).reshape(b, a, g)
+    elif cfg.confidence_head:
+        conf = confidence(params, cfg, hidden, None)
+    draft_logp = jax.nn.log_softmax(logits, axis=-1)
+    loss = losses.dspark_loss(draft_logp, p_t, labels, mask, conf, spec.gamma)
+    return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
+
+
+def _load(path: str, target, dtype) -> tuple[DSpark, dict]:
+    cfg, params = load_checkpoint(path, dtype)
+    return DSpark(spark=cfg, target_cfg=getattr(target, "cfg", None)), params
+
+
+def _save(path: str, drafter: DSpark, params: dict, dtype=None) -> None:
+    save_checkpoint(path, drafter.spark, params, dtype)
+
+
+register_family(Family(name="dspark", drafter=DSpark, detect=is_dspark_config, load=_load, save=_save,
+                       with_shape=dflash.with_shape,
+                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "lm_head")),
+                       summary="DeepSpec DSpark: architectures Qwen3DSparkModel"))

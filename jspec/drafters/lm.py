@@ -13,13 +13,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import SAMPLE, DraftContext, Drafter, PrefillInfo, Proposal, register
+from jspec.drafters.base import SAMPLE, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.family import Family, register_family
+from jspec.io.hf import save_params
+from jspec.io.models import is_causal_lm, load_model
+from jspec.models import target as tm
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
 from jspec.models.declare import logical_axes
 
 
-@register("lm")
 @dataclasses.dataclass(frozen=True)
 class SmallLM(Drafter):
     cfg: ModelConfig | None = None
@@ -69,3 +72,30 @@ class SmallLM(Drafter):
         if self.mode == SAMPLE:
             q = jnp.concatenate([first_logp[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1)
         return Proposal(drafts, q), cache
+
+
+def load(path: str, target, dtype) -> tuple[SmallLM, dict]:
+    """An HF causal LM as a drafter; with a target, it must share the target's tokenizer."""
+    cfg, params, tok = load_model(path, dtype)
+    if tm.is_hybrid(cfg):
+        raise ValueError(f"{path!r} is a hybrid recurrent model: the small-LM drafter runs dense Llama / Qwen3 "
+                         "models (a recurrent drafter cannot roll back its state by re-feeding tokens)")
+    ttok = getattr(target, "tokenizer", None)
+    if tok is not None and ttok is not None and tok.get_vocab() != ttok.get_vocab():
+        raise ValueError(f"drafter {path!r} has a different tokenizer from the target {target.path!r}: "
+                         "drafter and target must share one tokenizer")
+    return SmallLM(cfg=cfg), params
+
+
+def save(path: str, drafter: SmallLM, params: dict, dtype=None) -> None:
+    save_params(path, drafter.cfg, params, dtype=dtype)
+
+
+def with_shape(drafter: SmallLM, block_size: int, tree_budget: int) -> SmallLM:
+    if tree_budget:
+        raise ValueError("the small-LM drafter drafts chains: drop the tree budget for it")
+    return dataclasses.replace(drafter, block_size=block_size)
+
+
+register_family(Family(name="lm", drafter=SmallLM, detect=is_causal_lm, load=load, save=save, with_shape=with_shape,
+                       summary="a small Hugging Face causal LM sharing the target's tokenizer"))

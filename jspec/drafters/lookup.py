@@ -13,7 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import SAMPLE, DraftContext, Drafter, Proposal, point_mass_logp, register
+from jspec.drafters.base import SAMPLE, DraftContext, Drafter, Proposal, point_mass_logp
+from jspec.drafters.family import Family, register_family
 
 
 def _match_ends(tokens: jax.Array, length: jax.Array, k: int) -> jax.Array:
@@ -44,7 +45,6 @@ def _continuation(tokens: jax.Array, length: jax.Array, end: jax.Array, valid: j
     return jnp.where(valid, tokens[idx], anchor)
 
 
-@register("lookup")
 @dataclasses.dataclass(frozen=True)
 class PromptLookup(Drafter):
     """block_size = g draft tokens (chain) or, with tree_budget > 0, a tree of that many nodes."""
@@ -100,3 +100,12 @@ class PromptLookup(Drafter):
         depth_arr = jnp.concatenate([d + 1, jnp.ones((pad,), jnp.int32)])
         return Proposal(drafts, None, jnp.broadcast_to(parent, (b, self.tree_budget)).astype(jnp.int32),
                         jnp.broadcast_to(depth_arr, (b, self.tree_budget)).astype(jnp.int32)), state
+
+
+def with_shape(drafter: PromptLookup, block_size: int, tree_budget: int) -> PromptLookup:
+    return dataclasses.replace(drafter, block_size=block_size, tree_budget=tree_budget)
+
+
+register_family(Family(name="lookup", drafter=PromptLookup,
+                       lookup=lambda target: PromptLookup(vocab_size=target.cfg.vocab_size), with_shape=with_shape,
+                       summary="prompt lookup (n-gram matches in the committed text; no parameters)"))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models import hybrid, transformer
-from jspec.models.attention import read_rows, write_rows
+from jspec.models.attention import KV_CHUNK, read_rows, write_rows
 
 
 def is_hybrid(cfg) -> bool:
@@ -27,18 +27,19 @@ def init_cache(cfg, batch: int, size: int, dtype=jnp.float32):
 
 
 def forward(params, cfg, tokens, positions, cache, *, ctx_len=None, cache_rows=None, tree_mask=None, taps=(),
-            parent=None, keep_states=False, lengths=None, attention="reference"):
+            parent=None, keep_states=False, lengths=None, attention="reference", kv_chunk=KV_CHUNK):
     """(hidden [B, T, D], cache, taps or None, per-position recurrent states or None).
 
     attention selects the tree-attention kernel of dense targets (jspec.kernels); hybrid targets use
-    their reference attention."""
+    their reference attention. kv_chunk: dense targets' attention chunk (None = one block over the
+    cache, for training passes)."""
     if is_hybrid(cfg):
         out = hybrid.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
                              tree_mask=tree_mask, taps=taps, parent=parent if keep_states else None,
                              keep_states=keep_states, lengths=None if keep_states else lengths)
         return out.hidden, out.cache, out.taps, out.states
     out = transformer.forward(params, cfg, tokens, positions, cache, ctx_len=ctx_len, cache_rows=cache_rows,
-                              tree_mask=tree_mask, taps=taps, attention=attention)
+                              tree_mask=tree_mask, taps=taps, attention=attention, kv_chunk=kv_chunk)
     return out.hidden, out.cache, out.taps, None
 
 

@@ -7,7 +7,6 @@ The models are reproducible from configs/ with `make builtin` (see the README).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -15,28 +14,21 @@ import sys
 import jax.numpy as jnp
 
 from jspec.api import BUILTIN_DIR
-from jspec.io import drafters as drafter_io
-from jspec.io.hf import load_params, save_params
+from jspec.drafters import family
 
 NAMES = ("code-target", "code-dflash", "code-dspark")
 
 
 def install(src: str, name: str) -> str:
-    """Re-save a trained model directory in bfloat16 under jspec/builtin/NAME."""
+    """Re-save a trained model directory (the target LM or a drafter of any registered family) in
+    bfloat16 under jspec/builtin/NAME, with its tokenizer.json when it has one."""
     dst = os.path.join(BUILTIN_DIR, name)
     if os.path.exists(dst):
         shutil.rmtree(dst)
-    with open(os.path.join(src, "config.json")) as f:
-        fmt = drafter_io.drafter_format(json.load(f))
-    if fmt == "dflash":
-        cfg, params = drafter_io.load_dflash(src)
-        drafter_io.save_dflash(dst, cfg, params, dtype=jnp.bfloat16)
-    elif fmt == "dspark":
-        cfg, params = drafter_io.load_dspark(src)
-        drafter_io.save_dspark(dst, cfg, params, dtype=jnp.bfloat16)
-    else:
-        cfg, params = load_params(src)
-        save_params(dst, cfg, params, dtype=jnp.bfloat16)
+    fam = family.detect(src)
+    drafter, params = fam.load(src, None, jnp.float32)
+    fam.save(dst, drafter, params, dtype=jnp.bfloat16)
+    if os.path.exists(os.path.join(src, "tokenizer.json")):
         shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
     return dst
 

@@ -2,6 +2,8 @@
 
     jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
 
+Any registered drafter family with a training recipe (jspec.drafters.family.TrainRecipe) trains here.
+
 Drafters learn what the target actually says: prompts are cut from the training corpus, the target
 continues them with jspec's compiled generation (greedy and sampled halves), and the sequences are
 stored as a TFDS dataset; the drafter then trains on them with online target features.
@@ -14,13 +16,10 @@ import os
 import jax
 import numpy as np
 
-import jspec
-from jspec.drafters import dflash as dfl
-from jspec.drafters import dspark as dsp
-from jspec.io import drafters as drafter_io
-from jspec.models.config import ModelConfig
+from jspec.api import generate, load_target
+from jspec.drafters import family
 from jspec.train import data, lm
-from jspec.train.drafter import DrafterLoss, dflash_loss, dspark_train_loss
+from jspec.train.drafter import DrafterLoss
 from jspec.train.trainer import TrainConfig, Trainer
 from jspec.verify.sampling import SamplingParams
 
@@ -46,7 +45,7 @@ def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, 
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         sampling = SamplingParams(0.0) if (i // batch) % 2 == 0 else SamplingParams(1.0)
-        res = jspec.generate(target, chunk, max_new_tokens=new_tokens, sampling=sampling, seeds=seed + i, eos_ids=[])
+        res = generate(target, chunk, max_new_tokens=new_tokens, sampling=sampling, seeds=seed + i, eos_ids=[])
         for p, t in zip(chunk, res.tokens):
             seqs.append(p + t)
             plens.append(len(p))
@@ -59,29 +58,27 @@ def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, 
     return out_path
 
 
-def build_drafter(kind: str, cfg: dict, target) -> tuple[object, dict]:
-    """(config, random params) of a DFlash or DSpark drafter for `target` from a run config."""
-    d = cfg["drafter"]
-    tcfg: ModelConfig = target.cfg
-    import dataclasses
-
-    layers = dataclasses.replace(tcfg, num_layers=d["num_layers"], layer_types=(), qk_norm=True, family="qwen3")
-    taps = tuple(d.get("target_layer_ids") or dfl.default_target_layer_ids(d.get("num_taps", 1), tcfg.num_layers))
-    backbone = dfl.DFlashConfig(layers=layers, target_layer_ids=taps, num_target_layers=tcfg.num_layers,
-                                mask_token_id=d["mask_token_id"], block_size=d["block_size"],
-                                anchor_predicts=kind == "dspark")
-    key = jax.random.key(cfg["train"].get("seed", 0) + 1)
-    if kind == "dflash":
-        return backbone, dfl.init_params(backbone, key, std=cfg.get("init_std", 0.02))
-    spark = dsp.DSparkConfig(backbone=backbone, markov_rank=d.get("markov_rank", 64),
-                             markov_head_type=d.get("markov_head_type", "vanilla"))
-    return spark, dsp.init_params(spark, key, target.params, std=cfg.get("init_std", 0.02))
+def build_drafter(family_name: str, cfg: dict, target) -> tuple[object, dict]:
+    """(Drafter, random params) of the family's training recipe for `target` from a run config, checked
+    against the target."""
+    fam = family.get_family(family_name)
+    if fam.recipe is None:
+        raise ValueError(f"the {family_name} drafter family has no training recipe: trainable families are "
+                         f"{', '.join(family.trainable())}")
+    return fam.recipe.build(cfg, target, jax.random.key(cfg["train"].get("seed", 0) + 1))
 
 
-def train_drafter(kind: str, config_path: str, target_path: str, out_dir: str, steps: int | None = None,
+def train_drafter(family_name: str, config_path: str, target_path: str, out_dir: str, steps: int | None = None,
                   progress: bool = True) -> str:
+    """Train a drafter of a registered family (its `TrainRecipe`) for the target; returns the model folder
+    (written by the family's `save`, so `jspec.load_drafter` reads it back)."""
     cfg = lm.load_run_config(config_path)
-    target = jspec.load_target(target_path)
+    target = load_target(target_path)
+    fam = family.get_family(family_name)
+    dr, params = build_drafter(family_name, cfg, target)  # before any distillation: a bad config fails fast
+    recipe = fam.recipe
+    if recipe.data != "distilled":
+        raise ValueError(f"the {family_name} recipe needs {recipe.data!r} data; jspec train prepares 'distilled'")
     os.makedirs(out_dir, exist_ok=True)
     dist = cfg["distill"]
     npz = os.path.join(out_dir, "distilled.npz")
@@ -91,33 +88,27 @@ def train_drafter(kind: str, config_path: str, target_path: str, out_dir: str, s
         self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz)
     tok_dir = data.build_token_dataset({"train": npz}, os.path.join(out_dir, "tfds"))
     arrays = data.padded_examples(data.read_split(tok_dir, "train"), dist["prompt_len"] + dist["new_tokens"])
-    dcfg, params = build_drafter(kind, cfg, target)
     d = cfg["drafter"]
     spec = DrafterLoss(name=d.get("loss", "ce"), num_anchors=d.get("num_anchors", 16), gamma=d.get("gamma", 4.0))
     tc = TrainConfig(**cfg["train"])
     base_key = jax.random.key(tc.seed)
-    fn = dflash_loss if kind == "dflash" else dspark_train_loss
-    frozen = {k: v for k, v in params.items() if k in ("embed", "lm_head")}  # DSpark's copies stay frozen
+    frozen = {k: v for k, v in params.items() if k in recipe.frozen}
     trainable = {k: v for k, v in params.items() if k not in frozen}
 
     def loss_fn(p, batch):
         key = jax.random.fold_in(base_key, batch["step"][0])
-        return fn({**p, **frozen}, target.params, target.cfg, dcfg, spec, batch, key)
+        return recipe.loss({**p, **frozen}, target.params, target.cfg, dr, spec, batch, key)
 
-    trainer = Trainer(loss_fn, trainable, tc, out_dir, fingerprint={"kind": kind, "config": cfg,
+    trainer = Trainer(loss_fn, trainable, tc, out_dir, fingerprint={"kind": family_name, "config": cfg,
                                                                       "target": os.path.abspath(target_path)})
     start = trainer.restore_latest()
     ds = data.dict_batches(arrays, cfg["data"]["batch_size"], tc.seed)
     stepped = _with_step(ds)
     if progress:
-        print(f"{kind}: {len(arrays['tokens'])} distilled sequences; resuming at step {start}")
+        print(f"{family_name}: {len(arrays['tokens'])} distilled sequences; resuming at step {start}")
     state = trainer.run(stepped, steps=steps, progress=progress)
     model_dir = os.path.join(out_dir, "model")
-    full = {**state.params, **frozen}
-    if kind == "dflash":
-        drafter_io.save_dflash(model_dir, dcfg, full)
-    else:
-        drafter_io.save_dspark(model_dir, dcfg, full, num_anchors=spec.num_anchors)
+    fam.save(model_dir, dr, {**state.params, **frozen})
     return model_dir
 
 

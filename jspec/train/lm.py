@@ -1,6 +1,7 @@
 """Target pretraining from scratch: a BPE tokenizer and a Llama/Qwen3 LM trained on a local corpus.
 
     jspec train target --config configs/code-target.json --out runs/code-target
+    jspec train target --mesh data=2,fsdp=4 --config configs/code-target.json --out runs/code-target
 
 Writes the run (checkpoints, metrics.jsonl) under --out and the trained model in Hugging Face format
 (config.json, model.safetensors, tokenizer.json) under --out/model.
@@ -11,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import parallel
 from jspec.io.hf import save_params
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
@@ -74,32 +77,61 @@ def tokenized_windows(tok, ds_dir: str, split: str, seq_len: int) -> np.ndarray:
     return data.pack_tokens(docs, seq_len, tok.token_to_id(EOT))
 
 
-def pretrain_target(config_path: str, out_dir: str, steps: int | None = None, progress: bool = True) -> str:
-    cfg = load_run_config(config_path)
-    os.makedirs(out_dir, exist_ok=True)
-    ds_dir, train_files = prepare_text(cfg, out_dir)
-    tok_path = os.path.join(out_dir, "tokenizer.json")
-    if os.path.exists(tok_path):
-        from tokenizers import Tokenizer
+def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None, progress: bool = True,
+                    mesh=None) -> str:
+    """`jspec train target`: a tokenizer and a target trained from a run config; returns the model directory.
 
-        tok = Tokenizer.from_file(tok_path)
-    else:
-        tok = train_tokenizer(cfg["model"]["vocab_size"], train_files)
-        tok.save(tok_path)
+    mesh: None (one device) or a jax.sharding.Mesh from jspec.parallel.make_mesh, on which every process
+    of the run calls this function: the parameters are placed by jspec.parallel's rules (FSDP over
+    `fsdp`, tensor parallel over `model`) and each process loads only the batch rows its devices hold.
+    The configuration, fingerprint, batches and outputs do not depend on the mesh, so a run directory
+    can be resumed with or without one. With several processes out_dir must be one folder that every
+    host sees (checkpoints are written by all processes through orbax); each host builds the text
+    corpus in its own subfolder host<i>, and process 0 writes the tokenizer, the metrics and the model.
+    """
+    from tokenizers import Tokenizer
+
+    cfg = load_run_config(config_path)
+    work = out_dir if jax.process_count() == 1 else os.path.join(out_dir, f"host{jax.process_index()}")
+    os.makedirs(work, exist_ok=True)
+    ds_dir, train_files = prepare_text(cfg, work)
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    if parallel.is_primary() and not os.path.exists(tok_path):
+        train_tokenizer(cfg["model"]["vocab_size"], train_files).save(tok_path)
+    parallel.sync("tokenizer")
+    tok = Tokenizer.from_file(tok_path)
     mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
     seq_len, batch = cfg["data"]["seq_len"], cfg["data"]["batch_size"]
     windows = tokenized_windows(tok, ds_dir, "train", seq_len)
     tc = TrainConfig(**cfg["train"])
     params = transformer.init_params(mcfg, jax.random.key(tc.seed), std=cfg.get("init_std", 0.02))
-    trainer = Trainer(lambda p, b: lm_loss(p, mcfg, b), params, tc, out_dir,
-                      fingerprint={"kind": "target", "config": cfg})
+    fingerprint = {"kind": "target", "config": cfg}
+
+    def loss(p, b):
+        return lm_loss(p, mcfg, b)
+
+    if mesh is None:
+        trainer = Trainer(loss, params, tc, out_dir, fingerprint)
+        batches = data.batches(windows, batch, tc.seed)
+    else:
+        params = parallel.shard_params(params, mesh, head_dim=mcfg.head_dim, axes=parallel.target_axes(mcfg))
+        parallel.prepare_run_dir(out_dir, fingerprint)
+        trainer = Trainer(loss, params, tc, out_dir, fingerprint, sharding=parallel.global_batch(mesh))
+        trainer.state = parallel.on_mesh(trainer.state, mesh)
+        # Element i of the shuffled stream is window i of the run: the same order as data.batches.
+        examples = grain.MapDataset.source(windows).shuffle(seed=tc.seed).repeat()
+        batches = parallel.HostLocalBatches(examples, batch, mesh)
     start = trainer.restore_latest()
-    if progress:
-        print(f"target {mcfg.num_params / 1e6:.2f}M parameters, {len(windows)} training windows of {seq_len}; "
-              f"resuming at step {start}" if start else f"target {mcfg.num_params / 1e6:.2f}M parameters, "
-              f"{len(windows)} training windows of {seq_len}")
-    state = trainer.run(data.batches(windows, batch, tc.seed), steps=steps, progress=progress)
+    if progress and parallel.is_primary():
+        where = "" if mesh is None else f" on a {dict(mesh.shape)} mesh of {jax.process_count()} process(es)"
+        print(f"target {mcfg.num_params / 1e6:.2f}M parameters{where}, {len(windows)} training windows of "
+              f"{seq_len}" + (f"; resuming at step {start}" if start else ""))
+    state = trainer.run(batches, steps=steps, progress=progress and parallel.is_primary(),
+                        metrics_file=parallel.metrics_file(out_dir))
+    host_params = parallel.to_host(state.params)  # collective: every process takes part
     model_dir = os.path.join(out_dir, "model")
-    save_params(model_dir, mcfg, state.params)
-    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    if parallel.is_primary():
+        save_params(model_dir, mcfg, host_params)
+        tok.save(os.path.join(model_dir, "tokenizer.json"))
+    parallel.sync("model-saved")
     return model_dir

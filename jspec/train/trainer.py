@@ -68,7 +68,7 @@ class Trainer:
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
             updates, opt_state = self.opt.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
             return TrainState(params, opt_state, state.step + 1), metrics
 
         self._step = jax.jit(step, donate_argnums=(0,))

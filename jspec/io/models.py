@@ -1,0 +1,44 @@
+"""Language-model checkpoints of every supported architecture (dense Llama / Qwen3 and the Gated DeltaNet
+hybrids) behind one strict loader: the target, and small LMs used as drafters, load through it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+
+from jspec.io.hf import load_params
+from jspec.io.hf_hybrid import load_hybrid_params
+from jspec.io.tokenizer import load_tokenizer
+from jspec.models import config, hybrid
+
+
+def is_causal_lm(hf: dict) -> bool:
+    """Does config.json describe a causal LM of a supported architecture (dense or hybrid)?"""
+    model_type = hf.get("model_type")
+    archs = tuple(hf.get("architectures") or ())
+    for table in (config.SUPPORTED_ARCHITECTURES, hybrid.SUPPORTED_ARCHITECTURES):
+        if model_type in table:
+            return all(a in table[model_type] for a in archs)
+    return False
+
+
+def load_model(path: str, dtype=jnp.float32):
+    """(config, parameters, tokenizer or None) of an HF model folder; the tokenizer must fit the model."""
+    cfg_path = os.path.join(path, "config.json")
+    model_type = None
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            model_type = json.load(f).get("model_type")
+    if model_type in hybrid.SUPPORTED_ARCHITECTURES:
+        cfg, params = load_hybrid_params(path, dtype=dtype)
+    else:
+        cfg, params = load_params(path, dtype=dtype)
+    tok = load_tokenizer(path)
+    if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer.json in {path!r} has {tok.get_vocab_size()} tokens but the model's vocabulary is "
+            f"{cfg.vocab_size}: the tokenizer does not belong to this checkpoint"
+        )
+    return cfg, params, tok
