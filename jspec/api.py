@@ -259,8 +259,9 @@ def _default_verifier(verifier: str | None, sampling: SamplingParams) -> str:
 
 def prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget, cache_size):
     """The (Drafter, params) pair exactly as `generate` runs it: loaded (`load_drafter`), checked on the
-    host against the target, the cache and the verifier (None = the default for `sampling`), with its
-    proposal mode and sampling set to match the verifier. ValueError names any problem."""
+    host against the target, the cache and the verifier (None = the default for `sampling`). The loop
+    tells the drafter how to propose (the rule's draft policy, the served sampling) every round.
+    ValueError names any problem."""
     for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -283,5 +284,4 @@ def prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget
             f"use {trees} with trees, or drop the tree budget"
         )
     dr.validate(target.cfg, dparams)
-    dr = dataclasses.replace(dr, mode=rule.draft_policy, sampling=sampling)
     return dr, dparams

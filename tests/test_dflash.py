@@ -17,7 +17,7 @@ import jspec
 from jspec.cli import main as cli_main
 from jspec.decode import ar, profile, spec
 from jspec.drafters import ddtree
-from jspec.drafters.base import DraftContext, PrefillInfo
+from jspec.drafters.base import SAMPLE, DraftContext, PrefillInfo
 from jspec.drafters.dflash import (
     DFlash,
     DFlashConfig,
@@ -129,14 +129,14 @@ def test_block_conventions_give_their_number_of_drafts(target, anchor_predicts, 
     cfg = _dflash_cfg(target, block=5, anchor_predicts=anchor_predicts)
     assert cfg.num_drafts == drafts
     params = dflash_init(cfg, jax.random.key(0))
-    dr = DFlash(cfg=cfg, target_cfg=target.cfg)
+    dr = DFlash(cfg=cfg)
     packed, lens = jspec.api.pack_prompts(PROMPTS, 128)
     prompts = jnp.asarray(packed)
     out = transformer.forward(target.params, target.cfg, prompts, jnp.broadcast_to(jnp.arange(16), (3, 16)),
                               transformer.KVCache.zeros(target.cfg, 3, 32), taps=dr.taps)
     state = dr.init(params, PrefillInfo(prompts, jnp.asarray(lens), out.taps), 40)
     tokens = jnp.zeros((3, 32), jnp.int32).at[:, :16].set(prompts)
-    ctx = DraftContext(tokens, jnp.asarray(lens) + 1, jnp.zeros((3,), jnp.uint32), target.params)
+    ctx = DraftContext(tokens, jnp.asarray(lens) + 1, jnp.zeros((3,), jnp.uint32), target.params, target_cfg=target.cfg)
     prop, _ = dr.propose(params, state, ctx)
     assert prop.tokens.shape == (3, drafts)
 
@@ -144,7 +144,7 @@ def test_block_conventions_give_their_number_of_drafts(target, anchor_predicts, 
 def test_draft_cache_holds_exactly_the_committed_positions(target):
     cfg = _dflash_cfg(target, block=5)
     params = dflash_init(cfg, jax.random.key(1), std=0.2)
-    dr = DFlash(cfg=cfg, target_cfg=target.cfg)
+    dr = DFlash(cfg=cfg)
     packed, lens = jspec.api.pack_prompts(PROMPTS, 128)
     dcfg = ar.DecodeConfig(max_new_tokens=NEW, cache_size=48, sampling=SamplingParams(0.0))
     st = spec.generate_spec(target.params, params, target.cfg, dr, spec.SpecConfig(dcfg, "greedy"),
@@ -291,7 +291,7 @@ def test_budgeted_dspark_loop_is_exact(target, drafter_dirs):
     sampling = SamplingParams(1.0)
     dcfg = ar.DecodeConfig(max_new_tokens=NEW, cache_size=48, sampling=sampling)
     base = ar.generate_ar(target.params, target.cfg, dcfg, *args)
-    dr = DSpark(spark=cfg, target_cfg=target.cfg, mode="gumbel", sampling=sampling)
+    dr = DSpark(spark=cfg)
     st = spec.generate_spec(target.params, params, target.cfg, dr, spec.SpecConfig(dcfg, "gumbel", sps), *args)
     np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(base.tokens))
     # The budget really cut verification short: fewer drafts verified than rounds x g.
@@ -305,7 +305,7 @@ def test_dspark_reports_the_q_it_samples(target):
     cfg = DSparkConfig(backbone=_dflash_cfg(target, anchor_predicts=True), markov_rank=8, markov_head_type="rnn")
     params = dspark_init(cfg, jax.random.key(9), target.params, std=0.3)
     sampling = SamplingParams(1.5, top_k=20)
-    dr = DSpark(spark=cfg, target_cfg=target.cfg, mode="sample", sampling=sampling)
+    dr = DSpark(spark=cfg)
     n = 40_000
     prompt = jnp.asarray([PROMPTS[0] + [0] * 7])
     out = transformer.forward(target.params, target.cfg, prompt, jnp.arange(16)[None],
@@ -313,7 +313,8 @@ def test_dspark_reports_the_q_it_samples(target):
     state = dr.init(params, PrefillInfo(prompt, jnp.array([9]), out.taps), 32)
     state = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), state)  # [B, S, Hkv, Dh]
     tokens = jnp.broadcast_to(jnp.zeros((1, 32), jnp.int32).at[:, :16].set(prompt), (n, 32))
-    ctx = DraftContext(tokens, jnp.full((n,), 10), jnp.arange(n, dtype=jnp.uint32), target.params)
+    ctx = DraftContext(tokens, jnp.full((n,), 10), jnp.arange(n, dtype=jnp.uint32), target.params,
+                       target_cfg=target.cfg, policy=SAMPLE, sampling=sampling)
     prop, _ = jax.jit(dr.propose)(params, state, ctx)
     drafts, q = np.asarray(prop.tokens), np.exp(np.asarray(prop.q_logp, np.float64))
     np.testing.assert_allclose(q[:, 0], q[:1, 0].repeat(n, 0), atol=1e-6)  # slot 0: one q for all rows
@@ -348,5 +349,5 @@ def test_bad_drafter_config_fails_before_compiling(target, change, match):
     cfg = dataclasses.replace(cfg, **change)
     before = spec.generate_spec._cache_size()
     with pytest.raises(ValueError, match=match):
-        jspec.generate(target, PROMPTS, drafter=(DFlash(cfg=cfg, target_cfg=target.cfg), {}))
+        jspec.generate(target, PROMPTS, drafter=(DFlash(cfg=cfg), {}))
     assert spec.generate_spec._cache_size() == before

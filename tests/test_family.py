@@ -18,7 +18,6 @@ import jspec
 from jspec.cli import main as cli_main
 from jspec.demo import DEMO_CONFIG, create_demo_model
 from jspec.drafters import Drafter, Proposal, family
-from jspec.drafters.base import SAMPLE
 from jspec.io.hf import CheckpointError
 
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8, 7, 8, 7, 8, 7]]
@@ -48,11 +47,11 @@ class Bigram(Drafter):
         prev = jnp.take_along_axis(ctx.tokens, (ctx.length - 1)[:, None], axis=1)[:, 0]
 
         def step(prev, k):
-            token, logp = self.choose(dparams["table"][prev], ctx.seeds, ctx.length + k, ctx.length)
+            token, logp = self.choose(ctx, dparams["table"][prev], ctx.length + k)
             return token, (token, logp)
 
         _, (tokens, logp) = jax.lax.scan(step, prev, jnp.arange(self.block_size))
-        return Proposal(tokens.T, jnp.moveaxis(logp, 0, 1) if self.mode == SAMPLE else None), state
+        return Proposal(tokens.T, jnp.moveaxis(logp, 0, 1) if ctx.needs_q else None), state
 
 
 ARCH = "BigramDrafter"

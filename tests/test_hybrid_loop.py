@@ -117,7 +117,6 @@ def test_tree_commit_continues_from_the_accepted_node():
     sampling = SamplingParams(1.0)
     dcfg, plain = _plain(target, sampling)
     drafter, _ = jspec.load_drafter("lookup", target, tree_budget=6)
-    drafter = dataclasses.replace(drafter, mode="gumbel", sampling=sampling)
     st = spec.generate_spec(target.params, (), target.cfg, drafter, spec.SpecConfig(dcfg, "gumbel"), *_args(target))
     np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
     _assert_same_state(st.core, plain, plain.length)
@@ -152,7 +151,7 @@ def test_dflash_drafter_on_a_hybrid_target(family, tree_budget):
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
     cfg = DFlashConfig(layers=layers, target_layer_ids=(0, 2), num_target_layers=c.num_layers, mask_token_id=0,
                        block_size=4)
-    drafter = (DFlash(cfg=cfg, target_cfg=c, tree_budget=tree_budget), init_params(cfg, jax.random.key(0), std=0.3))
+    drafter = (DFlash(cfg=cfg, tree_budget=tree_budget), init_params(cfg, jax.random.key(0), std=0.3))
     for sampling, verifier in [(SamplingParams(0.0), "greedy"), (SamplingParams(1.0), "gumbel")]:
         kwargs = dict(max_new_tokens=NEW, sampling=sampling, seeds=[1, 2, 3], eos_ids=[])
         base = jspec.generate(target, PROMPTS, **kwargs)

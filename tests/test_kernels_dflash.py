@@ -40,12 +40,12 @@ def test_pallas_drafter_proposes_the_reference_drafts(setup):
     packed, lens = jspec.api.pack_prompts(PROMPTS, 128)
     prompts, lens = jnp.asarray(packed), jnp.asarray(lens)
     b, p = prompts.shape
-    reference = DFlash(cfg=dcfg, target_cfg=target.cfg)
+    reference = DFlash(cfg=dcfg)
     out = transformer.forward(target.params, target.cfg, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)),
                               transformer.KVCache.zeros(target.cfg, b, 40), taps=reference.taps)
     state = reference.init(dparams, PrefillInfo(prompts, lens, out.taps), 40)
     tokens = jnp.zeros((b, 40), jnp.int32).at[:, :p].set(prompts).at[jnp.arange(b), lens].set(jnp.array([4, 50, 99]))
-    ctx = DraftContext(tokens, lens + 1, jnp.zeros((b,), jnp.uint32), target.params)
+    ctx = DraftContext(tokens, lens + 1, jnp.zeros((b,), jnp.uint32), target.params, target_cfg=target.cfg)
 
     def draft(dr):
         return jax.jit(lambda: (dr.logits(dparams, state, ctx), dr.propose(dparams, state, ctx)[0].tokens))()
@@ -60,7 +60,7 @@ def test_loop_with_pallas_drafter_equals_plain_decoding(setup):
     target, dcfg, dparams = setup
     kw = dict(max_new_tokens=16, sampling=SamplingParams(1.0), seeds=[1, 2, 3], eos_ids=[])
     base = jspec.generate(target, PROMPTS, **kw)
-    drafter = DFlash(cfg=dcfg, target_cfg=target.cfg, kernels="pallas")
+    drafter = DFlash(cfg=dcfg, kernels="pallas")
     res = jspec.generate(target, PROMPTS, drafter=(drafter, dparams), verifier="gumbel", **kw)
     assert res.tokens == base.tokens
     assert res.stats["rounds"] < sum(len(t) for t in base.tokens)  # drafts were accepted: the drafter ran

@@ -47,7 +47,7 @@ def _dflash(target):
 
     dcfg = dfl.DFlashConfig(layers=dataclasses.replace(target.cfg, num_layers=1), target_layer_ids=(0, 1),
                             num_target_layers=3, mask_token_id=95, block_size=4)
-    return dfl.DFlash(cfg=dcfg, target_cfg=target.cfg), dfl.init_params(dcfg, jax.random.key(1), std=0.3)
+    return dfl.DFlash(cfg=dcfg), dfl.init_params(dcfg, jax.random.key(1), std=0.3)
 
 
 PROMPTS = [[5, 9, 17, 3, 44, 5, 9, 17, 3], [7, 8, 7, 8, 7, 8], [11, 12, 13, 14, 15, 16, 11, 12, 13], [1, 2, 3]]

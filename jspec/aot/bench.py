@@ -150,7 +150,7 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
             dc = dflash_config(cfg)
             dparams = jax.eval_shape(lambda: dflash.init_params(dc, jax.random.key(1), dtype=dtype))
             target = Target(cfg, params, None, f"random:{shape}")
-            dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, target_cfg=cfg, kernels=kernels,
+            dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, kernels=kernels,
                                                                  tree_budget=case.tree), dparams),
                                           sampling, verifier, BLOCK, case.tree, cache_size)
             scfg = spec.SpecConfig(dcfg, verifier)

@@ -43,7 +43,7 @@ class Combo:
 @dataclasses.dataclass(frozen=True)
 class Planned:
     combo: Combo
-    drafter: Drafter  # prepared by jspec.api: mode and sampling match the verifier
+    drafter: Drafter  # prepared by jspec.api (checked against the target, the cache and the verifier)
     params: object
 
 

@@ -28,6 +28,7 @@ from jspec.bench.prompts import held_out_prompts
 from jspec.models.config import ModelConfig
 from jspec.models.transformer import init_params
 from jspec.verify import rules
+from jspec.verify.sampling import SamplingParams
 
 SCHEMA = "jspec.bench/1"
 GIB = 1 << 30
@@ -204,7 +205,9 @@ def run_bench(cfg: BenchConfig, target: Target | None = None) -> dict:
             ar_records[t] = _ar_record(run, t, timed[run], verify[0])
         combo_records = []
         for p, run in zip(plan, spec_runs):
-            draft_s = timing.drafter_pass_seconds(target, p.drafter, p.params, context_tokens, cache_size, cost_repeats)
+            draft_s = timing.drafter_pass_seconds(target, p.drafter, p.params, context_tokens, cache_size, cost_repeats,
+                                                  SamplingParams(p.combo.temperature),
+                                                  rules.get_rule(p.combo.verifier).draft_policy)
             tick(f"drafter pass {run.label}")
             combo_records.append(_combo_record(p, run, warm[run], outputs[run], outputs[ar_runs[p.combo.temperature]],
                                                timed[run], ar_records[p.combo.temperature], verify, draft_s))

@@ -25,7 +25,7 @@ import numpy as np
 import jspec
 from jspec.api import pack_prompts
 from jspec.decode import ar, profile
-from jspec.drafters.base import DraftContext, Drafter, PrefillInfo
+from jspec.drafters.base import GREEDY, DraftContext, Drafter, PrefillInfo
 from jspec.verify.sampling import SamplingParams
 
 INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
@@ -87,15 +87,17 @@ def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: 
                                        repeats)
 
 
-def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cache_size: int, repeats: int) -> float:
-    """Median seconds of one `drafter.propose` for one row whose committed text is `context_tokens`.
+def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cache_size: int, repeats: int,
+                         sampling: SamplingParams = SamplingParams(0.0), policy: str = GREEDY) -> float:
+    """Median seconds of one `drafter.propose` for one row whose committed text is `context_tokens`,
+    proposing under `policy` (a rule's draft policy) with the served `sampling`.
 
     The drafter state comes from the loop's own set-up (target prefill with the drafter's taps, then
     `drafter.init`); INNER proposals then run in one compiled loop, each call's first draft becoming the
     next call's anchor, so no call is loop-invariant and none is optimised away.
     """
     cfg = target.cfg
-    dcfg = ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=drafter.sampling)
+    dcfg = ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=sampling)
     packed, lens = pack_prompts([list(context_tokens)], cfg.vocab_size)
     if packed.shape[1] >= cache_size:
         raise ValueError(f"a context of {packed.shape[1]} tokens does not fit the cache of {cache_size} rows")
@@ -107,7 +109,8 @@ def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cach
 
         def step(_, carry):
             dstate, tokens = carry
-            prop, dstate = drafter.propose(dparams, dstate, DraftContext(tokens, length, seeds, params))
+            ctx = DraftContext(tokens, length, seeds, params, target_cfg=cfg, policy=policy, sampling=sampling)
+            prop, dstate = drafter.propose(dparams, dstate, ctx)
             return dstate, tokens.at[rows, length - 1].set(prop.tokens[:, 0])
 
         return jax.lax.fori_loop(0, INNER, step, (dstate, tokens))[1]

@@ -86,7 +86,7 @@ def main(argv=None) -> None:
         prefill_t = median_seconds(lambda: jax.jit(ar.prefill, static_argnums=(1, 2, 6))(
             params, cfg, pcfg, prompt, plen, seeds, ())[0].tokens, repeats=args.repeats)
         dstate = drafter.init(dparams, PrefillInfo(prompt, plen, taps), pcfg.cache_size + width)
-        ctx = DraftContext(core.tokens, core.length, core.seeds, params)
+        ctx = DraftContext(core.tokens, core.length, core.seeds, params, target_cfg=cfg, sampling=dcfg.sampling)
 
         def draft_step(w, carry):  # the drafted tokens feed the next call, so nothing is optimised away
             dstate, acc = carry

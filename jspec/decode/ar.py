@@ -9,14 +9,16 @@ never on its batch neighbours or on how decoding is split into calls.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
-from jspec.verify.sampling import SamplingParams, gumbel_argmax, log_softmax_at, served_logprobs
+from jspec.verify.sampling import SamplingParams, Served, gumbel_argmax, log_softmax_at, served_logprobs
 
 
 # Cache rows come in multiples of 16 (never read past the text, so they cost nothing but memory): with
@@ -28,11 +30,14 @@ CACHE_ROW_ALIGN = 16
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Static settings of one compiled generation (hashable: a jit static argument)."""
+    """Settings of one generation. The compiled loops take the shapes, EOS ids, kernels and whether
+    decoding is greedy as static; max_new_tokens and the sampling values (temperature, top-k, top-p) as
+    traced inputs (`request`), so changing them between calls does not recompile. Inside a compiled
+    loop these two fields hold the traced values (`with_request`)."""
 
-    max_new_tokens: int
+    max_new_tokens: int | jax.Array
     cache_size: int
-    sampling: SamplingParams = SamplingParams(temperature=0.0)
+    sampling: SamplingParams | Served = SamplingParams(temperature=0.0)
     eos_ids: tuple[int, ...] = ()
     scratch_rows: int = 0  # cache rows beyond cache_size for verify passes that reach past the text
     # The target's attention in decode and verify passes: "reference" | "pallas" | "auto"
@@ -40,13 +45,63 @@ class DecodeConfig:
     attention: str = "reference"
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, int) and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def static(self) -> "DecodeConfig":
+        """The part a compilation depends on: the request fields set to fixed placeholders."""
+        return dataclasses.replace(self, max_new_tokens=1, sampling=SamplingParams(0.0 if self.sampling.greedy else 1.0))
+
+    def request(self) -> "Request":
+        sampling = self.sampling.traced() if isinstance(self.sampling, SamplingParams) else self.sampling
+        return Request(np.asarray(self.max_new_tokens, np.int32), sampling)
+
+    def with_request(self, request: "Request") -> "DecodeConfig":
+        return dataclasses.replace(self, max_new_tokens=request.max_new_tokens, sampling=request.sampling)
 
     @property
     def cache_rows(self) -> int:
         """Rows of the target's KV cache: cache_size + scratch_rows rounded up to CACHE_ROW_ALIGN."""
         return -(-(self.cache_size + self.scratch_rows) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Request:
+    """The per-call settings a compiled loop reads as traced values."""
+
+    max_new_tokens: jax.Array  # [] int32
+    sampling: Served
+
+
+class RequestJit:
+    """A jitted decode loop whose config argument is split into its static part and its traced request
+    (`DecodeConfig.static` / `request`): one compilation per shape, drafter, rule and greedy flag, whatever
+    max_new_tokens and the sampling values. Called (and `lower`ed) with the loop's documented arguments.
+
+    config_arg: the position of the DecodeConfig (or of a config with one in its `decode` field); the
+    jitted function takes the request right after it."""
+
+    def __init__(self, fn: Callable, config_arg: int, static_argnums: tuple[int, ...]):
+        self._config_arg = config_arg
+        self._jit = jax.jit(fn, static_argnums=static_argnums)
+
+    def _split(self, args):
+        i = self._config_arg
+        config = args[i]
+        decode = getattr(config, "decode", config)
+        static = decode.static()
+        config = dataclasses.replace(config, decode=static) if config is not decode else static
+        return (*args[:i], config, decode.request(), *args[i + 1:])
+
+    def __call__(self, *args):
+        return self._jit(*self._split(args))
+
+    def lower(self, *args):
+        return self._jit.lower(*self._split(args))
+
+    def _cache_size(self) -> int:
+        return self._jit._cache_size()
 
 
 @jax.tree_util.register_dataclass
@@ -145,14 +200,20 @@ def decode_step(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) ->
     return _emit(state, token, logprob, dcfg)
 
 
-def _generate(params, cfg: ModelConfig, dcfg: DecodeConfig, prompts, prompt_len, seeds) -> ARState:
+def _generate(params, cfg: ModelConfig, dcfg: DecodeConfig, request: Request, prompts, prompt_len, seeds) -> ARState:
+    dcfg = dcfg.with_request(request)
     state, _ = prefill(params, cfg, dcfg, prompts, prompt_len, seeds)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_step(params, cfg, dcfg, s), state)
 
 
-generate_ar = jax.jit(_generate, static_argnums=(1, 2))
+generate_ar = RequestJit(_generate, 2, static_argnums=(1, 2))
 """generate_ar(params, cfg, dcfg, prompts [B, P], prompt_len [B], seeds [B]) -> ARState; one compiled call."""
 
-prefill_jit = jax.jit(lambda *a: prefill(*a)[0], static_argnums=(1, 2))
-decode_step_jit = jax.jit(decode_step, static_argnums=(1, 2), donate_argnums=(3,))
-"""A single step with the state donated: the Python-loop baseline that benchmarks compare against."""
+prefill_jit = RequestJit(lambda p, c, d, r, *a: prefill(p, c, d.with_request(r), *a)[0], 2, static_argnums=(1, 2))
+_decode_step = jax.jit(lambda p, c, d, r, s: decode_step(p, c, d.with_request(r), s), static_argnums=(1, 2),
+                       donate_argnums=(4,))
+
+
+def decode_step_jit(params, cfg: ModelConfig, dcfg: DecodeConfig, state: ARState) -> ARState:
+    """A single step with the state donated: the Python-loop baseline that benchmarks compare against."""
+    return _decode_step(params, cfg, dcfg.static(), dcfg.request(), state)

@@ -98,7 +98,7 @@ def _verify_pass(params, cfg, drafter, scfg, core, vt):
     positions = core.length[:, None] - 1 + jnp.arange(vt.shape[1])[None]
     hidden, cache, taps, states = tm.forward(params, cfg, vt, positions, core.cache, taps=drafter.taps,
                                              keep_states=True, attention=scfg.decode.attention)
-    return tm.logits(params, cfg, hidden), cache, taps, states
+    return tm.logits(params, cfg, hidden), hidden, cache, taps, states
 
 
 def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
@@ -113,18 +113,19 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
 
         def at_width(w):
             def run(cache):
-                logits, cache, taps, states = _verify_pass(params, cfg, drafter, scfg,
-                                                           dataclasses.replace(core, cache=cache), vt[:, : w + 1])
+                logits, hidden, cache, taps, states = _verify_pass(
+                    params, cfg, drafter, scfg, dataclasses.replace(core, cache=cache), vt[:, : w + 1])
                 pad = g - w  # rows past the bucket: never read, since every row's length <= w
                 logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
+                hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
                 taps = None if taps is None else jnp.pad(taps, ((0, 0), (0, 0), (0, pad), (0, 0)))
-                return logits, cache, taps, tm.pad_states(states, g + 1)
+                return logits, hidden, cache, taps, tm.pad_states(states, g + 1)
             return run
 
         branch = jnp.searchsorted(jnp.asarray(buckets), jnp.max(lengths))
-        logits, cache, taps, states = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
+        logits, hidden, cache, taps, states = jax.lax.switch(branch, [at_width(w) for w in buckets], core.cache)
     else:
-        logits, cache, taps, states = _verify_pass(params, cfg, drafter, scfg, core, vt)
+        logits, hidden, cache, taps, states = _verify_pass(params, cfg, drafter, scfg, core, vt)
     logp = served_logprobs(logits, scfg.decode.sampling)
     res = get_rule(scfg.verifier).verify_chain(logp, prop.tokens, prop.q_logp, core.seeds, core.length, lengths)
     i = jnp.arange(g + 1)[None]
@@ -134,7 +135,7 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
                     else jnp.take_along_axis(logp, emitted[..., None], axis=-1)[..., 0])
     verified = jnp.full((b,), g, jnp.int32) if lengths is None else lengths
     state_index = jnp.arange(g + 1)[None].repeat(b, 0)  # pass token i carries the state after draft i
-    return res.n, emitted, emitted_logp, cache, taps, verified, states, state_index
+    return res.n, emitted, emitted_logp, cache, taps, hidden, verified, states, state_index
 
 
 def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
@@ -170,16 +171,19 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
     cache = tm.compact_rows(cache, dst, src, core.length, n_nodes)  # every src is a node row
     taps = None if taps is None else taps[:, rows, src_row]
     # Pass token carrying the state after emitted-order position j: the anchor, then the path nodes.
-    return (res.n, emitted, emitted_logp, cache, taps, jnp.full((b,), n_nodes, jnp.int32), states, src_row)
+    return (res.n, emitted, emitted_logp, cache, taps, hidden[rows, src_row], jnp.full((b,), n_nodes, jnp.int32),
+            states, src_row)
 
 
 def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, state: SpecState) -> SpecState:
     core = state.core
-    ctx = DraftContext(core.tokens, core.length, core.seeds, params)
+    ctx = DraftContext(core.tokens, core.length, core.seeds, params, target_cfg=cfg,
+                       policy=get_rule(scfg.verifier).draft_policy, sampling=scfg.decode.sampling,
+                       target_cache=core.cache)
     prop, dstate = drafter.propose(dparams, state.draft, ctx)
     anchor = jnp.take_along_axis(core.tokens, (core.length - 1)[:, None], axis=1)[:, 0]
     verify = _verify_tree if drafter.kind == "tree" else _verify_chain
-    n, emitted, emitted_logp, cache, taps, verified, states, state_index = verify(
+    n, emitted, emitted_logp, cache, taps, hidden, verified, states, state_index = verify(
         params, cfg, drafter, scfg, core, prop, anchor)
 
     live = ~core.done
@@ -189,7 +193,7 @@ def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCo
     idx = jnp.take_along_axis(state_index, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
     new_core = dataclasses.replace(new_core, cache=tm.commit_states(cfg, new_core.cache, states, idx, kept > 0))
     new_core = dataclasses.replace(new_core, steps=core.steps + 1)
-    dstate = drafter.commit(dparams, dstate, CommitInfo(new_core.tokens, core.length, new_core.length, taps))
+    dstate = drafter.commit(dparams, dstate, CommitInfo(new_core.tokens, core.length, new_core.length, taps, hidden))
 
     s = state.stats
     d = s.per_position.shape[1]
@@ -206,7 +210,9 @@ def spec_round(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCo
     return SpecState(new_core, dstate, stats)
 
 
-def _generate(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, prompts, prompt_len, seeds):
+def _generate(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecConfig, request: ar.Request, prompts,
+              prompt_len, seeds):
+    scfg = dataclasses.replace(scfg, decode=scfg.decode.with_request(request))
     width = drafter.num_drafts + 1
     dcfg = dataclasses.replace(scfg.decode, scratch_rows=width)
     core, taps = ar.prefill(params, cfg, dcfg, prompts, prompt_len, seeds, taps=drafter.taps)
@@ -216,5 +222,6 @@ def _generate(params, dparams, cfg: ModelConfig, drafter: Drafter, scfg: SpecCon
                               lambda s: spec_round(params, dparams, cfg, drafter, scfg, s), state)
 
 
-generate_spec = jax.jit(_generate, static_argnums=(2, 3, 4))
-"""generate_spec(params, dparams, cfg, drafter, scfg, prompts [B, P], prompt_len [B], seeds [B]) -> SpecState."""
+generate_spec = ar.RequestJit(_generate, 4, static_argnums=(2, 3, 4))
+"""generate_spec(params, dparams, cfg, drafter, scfg, prompts [B, P], prompt_len [B], seeds [B]) -> SpecState;
+one compilation per (shapes, drafter, rule, greedy), whatever max_new_tokens and the sampling values."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
 from jspec.verify.rules import GREEDY, GUMBEL, SAMPLE  # how a drafter proposes: fixed by the verification rule
-from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
+from jspec.verify.sampling import SamplingParams, Served, gumbel_argmax, served_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -57,10 +57,29 @@ class PrefillInfo:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftContext:
+    """What the loop tells a drafter each round: the committed text, a read-only view of the target, and
+    how to propose (the rule's draft policy and the served sampling transform, shared with the target)."""
+
     tokens: jax.Array  # [B, S] committed text; the anchor (pending token) is at length - 1
     length: jax.Array  # [B]
     seeds: jax.Array  # [B]
-    target_params: Any  # the frozen target's parameters (for drafters that share embeddings / head)
+    target_params: Any  # the frozen target's parameters (drafters that share its embedding / head)
+    target_cfg: Any = dataclasses.field(kw_only=True, metadata=dict(static=True))  # the target's config
+    policy: str = dataclasses.field(default=GREEDY, kw_only=True, metadata=dict(static=True))  # from the rule:
+    # GREEDY (argmax drafts), SAMPLE (drafts drawn from q, which the proposal must carry) or GUMBEL
+    sampling: Served = dataclasses.field(default=SamplingParams(0.0), kw_only=True)  # the served transform
+    # (traced values; a SamplingParams given here is converted)
+    target_cache: Any = dataclasses.field(default=None, kw_only=True)  # the target's cache before this
+    # round's verify pass: read it in place, never write it
+
+    def __post_init__(self):
+        if isinstance(self.sampling, SamplingParams):
+            self.sampling = self.sampling.traced()
+
+    @property
+    def needs_q(self) -> bool:
+        """Must the proposal carry the q it was drawn from (the rule reads it)?"""
+        return self.policy == SAMPLE
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +92,8 @@ class CommitInfo:
     old_length: jax.Array  # [B]
     new_length: jax.Array  # [B]
     taps: jax.Array | None  # [n_taps, B, T, D] target taps of the verify rows, compacted to committed order
+    hidden: jax.Array | None = None  # [B, T, D] the target's final-normed hidden states of the same rows
+    # (row j: after emitted-order token j; what MTP / Medusa / EAGLE-style heads read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +103,6 @@ class Drafter(abc.ABC):
     kind: ClassVar[str] = "chain"  # "chain" | "tree"
     # For trees: are siblings i.i.d. draws from q ("iid") or fixed choices ("deterministic")?
     tree_children: ClassVar[str] = "deterministic"
-    mode: str = GREEDY  # proposal policy; set by the loop from the verification rule
-    sampling: SamplingParams = SamplingParams(0.0)  # the served sampling transform (shared with the target)
 
     @property
     @abc.abstractmethod
@@ -98,10 +117,6 @@ class Drafter(abc.ABC):
     def taps(self) -> tuple[int, ...]:
         """Target layers whose outputs the drafter needs (prefill and verify pass)."""
         return ()
-
-    @property
-    def needs_q(self) -> bool:
-        return self.mode == SAMPLE
 
     @property
     def reports_confidence(self) -> bool:
@@ -131,20 +146,20 @@ class Drafter(abc.ABC):
     def commit(self, dparams: Any, state: Any, info: CommitInfo) -> Any:
         return state
 
-    # Helper shared by drafters that hold a distribution: choose a token the way `mode` says.
-    def choose(self, logits: jax.Array, seeds: jax.Array, index: jax.Array,
-               round_start: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Token [...] for logits [..., V] at absolute indices [...] (seeds [B] broadcast over the
-        trailing dims) and the served log-probs [..., V] it was drawn from. round_start [B] is the index
-        of the round's first draft."""
-        logp = served_logprobs(logits, self.sampling)
+    # Helper shared by drafters that hold a distribution: choose a token the way the rule's policy says.
+    @staticmethod
+    def choose(ctx: DraftContext, logits: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Token [...] for logits [B, ..., V] drafted at absolute indices [B, ...] and the served
+        log-probs [..., V] it was drawn from (ctx.seeds broadcast over the trailing dims; the round's
+        first draft is at index ctx.length)."""
+        logp = served_logprobs(logits, ctx.sampling)
         vocab = logits.shape[-1]
-        if self.mode == GREEDY:
+        if ctx.policy == GREEDY:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        elif self.mode == GUMBEL:  # the target's own noise: coupling makes agreement likely
-            token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
+        elif ctx.policy == GUMBEL:  # the target's own noise: coupling makes agreement likely
+            token = gumbel_argmax(logp, noise.gumbel(ctx.seeds, index, noise.GUMBEL, vocab))
         else:
-            token = gumbel_argmax(logp, draft_noise(seeds, index, round_start, vocab))
+            token = gumbel_argmax(logp, draft_noise(ctx.seeds, index, ctx.length, vocab))
         return token, logp
 
 

@@ -222,7 +222,6 @@ def target_head(target_params: dict, target_cfg, hidden: jax.Array) -> jax.Array
 @dataclasses.dataclass(frozen=True)
 class DFlash(Drafter):
     cfg: DFlashConfig | None = None
-    target_cfg: ModelConfig | None = None  # the target's config (its embedding / LM head are shared)
     tree_budget: int = 0
     kernels: str = "reference"  # the draft layers: "reference" | "pallas" | "auto" (see draft_blocks)
 
@@ -264,7 +263,7 @@ class DFlash(Drafter):
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
         hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos,
                              kernels=self.kernels)
-        return target_head(ctx.target_params, self.target_cfg, draft_slots(hidden, self.cfg))
+        return target_head(ctx.target_params, ctx.target_cfg, draft_slots(hidden, self.cfg))
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
         logits = self.logits(dparams, state, ctx)
@@ -274,8 +273,8 @@ class DFlash(Drafter):
                 lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(logits)
             return Proposal(tokens, None, parent, depth), state
         index = ctx.length[:, None] + jnp.arange(g)[None]  # draft i is written at length + i
-        drafts, logp = self.choose(logits, ctx.seeds, index, ctx.length)
-        return Proposal(drafts, logp if self.mode == SAMPLE else None), state
+        drafts, logp = self.choose(ctx, logits, index)
+        return Proposal(drafts, logp if ctx.needs_q else None), state
 
     def commit(self, dparams, state: DFlashState, info: CommitInfo) -> DFlashState:
         start = info.old_length - 1
@@ -395,7 +394,7 @@ def train_hidden(params, cfg: DFlashConfig, embed, taps, tokens, anchors):
 
 def _build(run: dict, target, key) -> tuple[DFlash, dict]:
     cfg = config_from_run(run["drafter"], target.cfg, anchor_predicts=False)
-    return DFlash(cfg=cfg, target_cfg=target.cfg), init_params(cfg, key, std=run.get("init_std", 0.02))
+    return DFlash(cfg=cfg), init_params(cfg, key, std=run.get("init_std", 0.02))
 
 
 def train_loss(params, target_params, target_cfg, drafter: DFlash, spec, batch: dict, key: jax.Array):
@@ -414,7 +413,7 @@ def train_loss(params, target_params, target_cfg, drafter: DFlash, spec, batch: 
 
 def _load(path: str, target, dtype) -> tuple[DFlash, dict]:
     cfg, params = load_checkpoint(path, dtype)
-    return DFlash(cfg=cfg, target_cfg=getattr(target, "cfg", None)), params
+    return DFlash(cfg=cfg), params
 
 
 def _save(path: str, drafter: DFlash, params: dict, dtype=None) -> None:

@@ -206,9 +206,9 @@ class DSpark(DFlash):
             if cfg.markov_rank:
                 bias, e, s = markov_bias(dparams, cfg, h, prev, s)
                 logits = logits + bias
-            token, logp = self.choose(logits, ctx.seeds, ctx.length + k, ctx.length)
+            token, logp = self.choose(ctx, logits, ctx.length + k)
             conf = confidence(dparams, cfg, h, e) if cfg.confidence_head else jnp.ones((b,), jnp.float32)
-            return (token, s), (token, logp if self.mode == SAMPLE else None, conf)
+            return (token, s), (token, logp if ctx.needs_q else None, conf)
 
         s0 = jnp.zeros((b, max(cfg.markov_rank, 1)), jnp.float32)
         _, (tokens, logp, conf) = jax.lax.scan(slot, (anchor, s0), jnp.arange(g))
@@ -273,7 +273,7 @@ def _build(run: dict, target, key) -> tuple[DSpark, dict]:
     spark = DSparkConfig(backbone=dflash.config_from_run(d, target.cfg, anchor_predicts=True),
                          markov_rank=d.get("markov_rank", 64), markov_head_type=d.get("markov_head_type", "vanilla"),
                          num_anchors=d.get("num_anchors", 16))
-    return DSpark(spark=spark, target_cfg=target.cfg), init_params(spark, key, target.params,
+    return DSpark(spark=spark), init_params(spark, key, target.params,
                                                                     std=run.get("init_std", 0.02))
 
 
@@ -312,7 +312,7 @@ def train_loss(params, target_params, target_cfg, drafter: DSpark, spec, batch: 
 
 def _load(path: str, target, dtype) -> tuple[DSpark, dict]:
     cfg, params = load_checkpoint(path, dtype)
-    return DSpark(spark=cfg, target_cfg=getattr(target, "cfg", None)), params
+    return DSpark(spark=cfg), params
 
 
 def _save(path: str, drafter: DSpark, params: dict, dtype=None) -> None:

@@ -55,21 +55,19 @@ class SmallLM(Drafter):
         pos = jnp.stack([length - 2, length - 1], axis=1)
         toks = jnp.take_along_axis(ctx.tokens, pos, axis=1)
         out = transformer.forward(dparams, self.cfg, toks, pos, cache)
-        first, first_logp = self.choose(transformer.logits(dparams, self.cfg, out.hidden[:, 1]), ctx.seeds, length,
-                                       length)
+        first, first_logp = self.choose(ctx, transformer.logits(dparams, self.cfg, out.hidden[:, 1]), length)
 
         def step(carry, i):
             cache, token = carry
             p = (length + i)[:, None]
             o = transformer.forward(dparams, self.cfg, token[:, None], p - 1, cache)
-            nxt, logp = self.choose(transformer.logits(dparams, self.cfg, o.hidden[:, 0]), ctx.seeds, length + i,
-                                    length)
-            return (o.cache, nxt), (nxt, logp if self.mode == SAMPLE else None)
+            nxt, logp = self.choose(ctx, transformer.logits(dparams, self.cfg, o.hidden[:, 0]), length + i)
+            return (o.cache, nxt), (nxt, logp if ctx.needs_q else None)
 
         (cache, _), (rest, rest_logp) = jax.lax.scan(step, (out.cache, first), jnp.arange(1, self.block_size))
         drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
         q = None
-        if self.mode == SAMPLE:
+        if ctx.needs_q:
             q = jnp.concatenate([first_logp[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1)
         return Proposal(drafts, q), cache
 

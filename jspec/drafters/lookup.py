@@ -78,7 +78,7 @@ class PromptLookup(Drafter):
                 return _continuation(tokens, length, end[0], valid[0], self.block_size)
 
             drafts = jax.vmap(row)(ctx.tokens, ctx.length)
-            q = point_mass_logp(drafts, self.vocab_size) if self.mode == SAMPLE else None
+            q = point_mass_logp(drafts, self.vocab_size) if ctx.needs_q else None
             return Proposal(drafts, q), state
 
         m, depth = self._branches, self.max_depth

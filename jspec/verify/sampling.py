@@ -14,11 +14,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Static (hashable) sampling parameters.
+    """Sampling parameters of a request (hashable, checked on construction; `traced()` gives what the
+    compiled loops read).
 
     temperature: 0 = greedy (argmax), > 0 scales logits by 1/temperature.
     top_k: keep the k most likely tokens; 0 = off.
@@ -36,6 +38,26 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def traced(self) -> "Served":
+        """The same parameters as traced values (only `greedy` stays static); host (numpy) scalars, so
+        they also serve compiles for devices this process does not have."""
+        return Served(np.asarray(1.0 if self.greedy else self.temperature, np.float32), np.asarray(self.top_k, np.int32),
+                      np.asarray(self.top_p, np.float32), self.greedy)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """Sampling parameters as the compiled loops read them: temperature, top-k and top-p are traced
+    scalars, so one compilation serves every request's values; `greedy` (temperature 0) is static, since
+    it changes the program (an argmax instead of a draw, and the verification rules that apply).
+    Build one with `SamplingParams.traced()`, which validates the values."""
+
+    temperature: jax.Array  # [] float32 > 0 (1 when greedy: unused)
+    top_k: jax.Array  # [] int32, 0 = off
+    top_p: jax.Array  # [] float32 in (0, 1], 1 = off
+    greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """Host-side check of sampling parameters; raises ValueError naming the problem and the fix."""
@@ -50,7 +72,9 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
 def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Log-probabilities [..., V] (float32) of the served distribution; -inf where removed.
 
-    logits: [..., V], any float dtype (cast to float32); params: static. Rows are independent.
+    logits: [..., V], any float dtype (cast to float32); params: a SamplingParams, or a `Served` whose
+    temperature / top-k / top-p may be traced (a stage that is off at run time is skipped by a
+    `lax.cond`, so it costs nothing). Rows are independent.
     Stages, in this order:
 
     - temperature 0: a point mass on the first argmax (top-k and top-p do not apply);
@@ -90,44 +114,48 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       another can keep nothing. `lax.optimization_barrier` pins the scaled logits, logp and p to
       single buffers that the search and the final mask both read.
     """
+    if isinstance(params, SamplingParams):
+        params = params.traced()
     logits = jnp.asarray(logits, jnp.float32)
     vocab = logits.shape[-1]
     if params.greedy:
         best = jnp.argmax(logits, axis=-1)
         return jnp.where(jax.nn.one_hot(best, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
     logits = flush_subnormals(logits / params.temperature)
-    if 0 < params.top_k < vocab:
-        logits = jax.lax.optimization_barrier(logits)
-        if params.top_k == 1:
-            kth = jnp.max(logits, axis=-1, keepdims=True)
-        else:
-            kth = _kth_largest(logits, params.top_k)
-        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    k = params.top_k
+    logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    if params.top_p < 1.0:
-        logp = jax.lax.optimization_barrier(flush_subnormals(logp))
-        probs = jax.lax.optimization_barrier(jnp.exp(logp))
-        cut = _top_p_cut(logp, probs, params.top_p)
-        logits = jnp.where(logp >= cut, logits, -jnp.inf)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-    return logp
+    return jax.lax.cond(params.top_p < 1.0, lambda x, lp: _keep_top_p(x, lp, params.top_p), lambda x, lp: lp,
+                        logits, logp)
+
+
+def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
+    logits = jax.lax.optimization_barrier(logits)
+    return jnp.where(logits >= _kth_largest(logits, k), logits, -jnp.inf)
+
+
+def _keep_top_p(logits: jax.Array, logp: jax.Array, top_p: jax.Array) -> jax.Array:
+    logp = jax.lax.optimization_barrier(flush_subnormals(logp))
+    probs = jax.lax.optimization_barrier(jnp.exp(logp))
+    logits = jnp.where(logp >= _top_p_cut(logp, probs, top_p), logits, -jnp.inf)
+    return jax.nn.log_softmax(logits, axis=-1)
 
 
 # Jitted so that eager calls reuse one compiled search per shape instead of tracing the loop again;
 # under an outer jit they are inlined.
-@functools.partial(jax.jit, static_argnums=1)
-def _kth_largest(x: jax.Array, k: int) -> jax.Array:
+@jax.jit
+def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
     """[..., 1] float32: the k-th largest entry (with multiplicity) of x [..., V], up to values that
-    compare equal; 1 < k < V."""
+    compare equal; 0 < k < V."""
     return _bisect_threshold(lambda t: jnp.sum(x[..., None, :] >= t, axis=-1, keepdims=True) >= k,
                              x.shape[:-1] + (1,))
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _top_p_cut(logp: jax.Array, probs: jax.Array, top_p: float) -> jax.Array:
+@jax.jit
+def _top_p_cut(logp: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
     """[..., 1] float32: the largest t with sum(probs[logp >= t]) >= top_p (-inf if none); logp, probs
     [..., V] with probs = exp(logp), both materialised by the caller."""
-    top_p = jnp.float32(top_p)
+    top_p = jnp.asarray(top_p, jnp.float32)
     return _bisect_threshold(
         lambda t: jnp.sum(jnp.where(logp[..., None, :] >= t, probs[..., None, :], 0.0), axis=-1, keepdims=True)
         >= top_p, logp.shape[:-1] + (1,))
