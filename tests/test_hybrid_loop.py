@@ -156,3 +156,59 @@ def test_dflash_drafter_on_a_hybrid_target(family, tree_budget):
         kwargs = dict(max_new_tokens=NEW, sampling=sampling, seeds=[1, 2, 3], eos_ids=[])
         base = jspec.generate(target, PROMPTS, **kwargs)
         assert jspec.generate(target, PROMPTS, drafter=drafter, verifier=verifier, **kwargs).tokens == base.tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_hybrid_checkpoint_drafts_for_itself(family):
+    """The target's own checkpoint as a small-LM drafter (its recurrent state caught up on the committed
+    tokens each round): exact output, and every round accepts all g drafts (tau = g + 1, less only where
+    max_new_tokens cuts the last round)."""
+    target = _target(family)
+    g = 3
+    for sampling, verifier in [(SamplingParams(0.0), "greedy"), (SamplingParams(1.0), "gumbel")]:
+        kwargs = dict(max_new_tokens=NEW, sampling=sampling, seeds=[1, 2, 3], eos_ids=[])
+        base = jspec.generate(target, PROMPTS, **kwargs)
+        res = jspec.generate(target, PROMPTS, drafter=checkpoint(family)[0], verifier=verifier, block_size=g, **kwargs)
+        assert res.tokens == base.tokens
+        hist = np.asarray(res.stats["accept_hist"])
+        assert hist[g] >= res.stats["rounds"] - len(PROMPTS), hist  # at most one short round per row
+        assert res.stats["tau"] > g
+
+
+def test_drafters_train_and_budget_on_a_hybrid_target(tmp_path):
+    """Drafter training (two optimizer steps of the DSpark recipe: the target pass runs on the hybrid
+    target) and the profiled verify budget, on a Qwen3-Next target."""
+    import jax
+
+    from jspec.drafters import family
+    from jspec.train import distill
+    from jspec.train.drafter import DrafterLoss
+    from jspec.train.trainer import TrainConfig, Trainer
+
+    target = _target("qwen3_next")
+    run = {"drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 0, "num_taps": 2, "markov_rank": 8},
+           "train": {"seed": 0}}
+    dr, params = distill.build_drafter("dspark", run, target)
+    recipe = family.get_family("dspark").recipe
+    frozen = {k: params[k] for k in recipe.frozen}
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 1, target.cfg.vocab_size)
+    batches = [{"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}] * 2
+
+    def loss(p, batch):
+        return recipe.loss({**p, **frozen}, target.params, target.cfg, dr, DrafterLoss(num_anchors=4), batch,
+                           jax.random.key(2))
+
+    trainable = {k: v for k, v in params.items() if k not in frozen}
+    start = jax.tree_util.tree_map(np.array, trainable)  # the trainer donates its parameters
+    trainer = Trainer(loss, trainable,
+                      TrainConfig(steps=2, lr=1e-2, warmup_frac=0.0, ckpt_every=2, keep=1, log_every=1),
+                      str(tmp_path), fingerprint={"test": "hybrid"})
+    state = trainer.run(batches, steps=2, progress=False)
+    moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state.params, start)
+    assert max(jax.tree_util.tree_leaves(moved)) > 0  # the optimizer changed the drafter
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state.params))
+    kwargs = dict(max_new_tokens=NEW, sampling=SamplingParams(1.0), seeds=[1, 2, 3], eos_ids=[])
+    base = jspec.generate(target, PROMPTS, **kwargs)
+    res = jspec.generate(target, PROMPTS, drafter=(dr, {**state.params, **frozen}), verify_budget="profile",
+                         **kwargs)
+    assert res.tokens == base.tokens

@@ -1,38 +1,46 @@
 """A separate small autoregressive LM with the target's tokenizer, drafting a chain of g tokens.
 
-It keeps its own KV cache. Rollback needs no copy: each round re-feeds the two newest committed
-tokens (the token before the anchor, and the anchor) at their positions, which rewrites the only
-rows a previous round may have left stale or missing; rows of rejected drafts lie beyond the
-committed length and are never read.
+Any target architecture serves as a drafter: a dense Llama / Qwen3 model or a hybrid Gated DeltaNet one
+(Qwen3-Next / Qwen3.5; a checkpoint of the target's own family, or the target itself as a self-drafter).
+It keeps its own cache, holding every committed token before `fed` (for recurrent layers: the state
+after exactly those tokens). Each round first feeds the committed tokens it has not seen (fed .. the
+anchor, at most g + 1 of them) in one pass, whose recurrent state after the anchor is the state kept;
+the g drafts then run on top of it. Draft K/V rows lie beyond the committed length, are never read,
+and the next round's catch-up pass overwrites them, so rejected drafts need no rollback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import SAMPLE, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.base import DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, register_family
-from jspec.io.hf import save_params
-from jspec.io.models import is_causal_lm, load_model
+from jspec.io.models import is_causal_lm, load_model, save_model
 from jspec.models import target as tm
-from jspec.models import transformer
-from jspec.models.config import ModelConfig
 from jspec.models.declare import logical_axes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SmallLMState:
+    cache: Any  # the drafter's cache (jspec.models.target.init_cache)
+    fed: jax.Array  # [B] committed tokens the cache holds (positions 0 .. fed - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class SmallLM(Drafter):
-    cfg: ModelConfig | None = None
+    cfg: Any = None  # the drafter model's config: ModelConfig (dense) or HybridConfig
     block_size: int = 4
 
     @property
     def num_drafts(self) -> int:
         return self.block_size
 
-    def validate(self, target_cfg: ModelConfig, dparams) -> None:
+    def validate(self, target_cfg, dparams) -> None:
         if self.cfg is None:
             raise ValueError("the LM drafter needs its model config: SmallLM(cfg=ModelConfig, ...)")
         if self.cfg.vocab_size != target_cfg.vocab_size:
@@ -42,42 +50,44 @@ class SmallLM(Drafter):
             )
 
     def param_axes(self):
-        return logical_axes(transformer.declarations(self.cfg))
+        return logical_axes(tm.declarations(self.cfg))
 
-    def init(self, dparams, prefill: PrefillInfo, cache_size: int):
+    def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> SmallLMState:
         b, p = prefill.prompts.shape
-        cache = transformer.KVCache.zeros(self.cfg, b, cache_size, dparams["embed"].dtype)
+        cache = tm.init_cache(self.cfg, b, cache_size, dparams["embed"].dtype)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        return transformer.forward(dparams, self.cfg, prefill.prompts, positions, cache).cache
+        _, cache, _, _ = tm.forward(dparams, self.cfg, prefill.prompts, positions, cache, lengths=prefill.prompt_len)
+        return SmallLMState(cache, prefill.prompt_len)
 
-    def propose(self, dparams, cache, ctx: DraftContext):
-        length = ctx.length
-        pos = jnp.stack([length - 2, length - 1], axis=1)
-        toks = jnp.take_along_axis(ctx.tokens, pos, axis=1)
-        out = transformer.forward(dparams, self.cfg, toks, pos, cache)
-        first, first_logp = self.choose(ctx, transformer.logits(dparams, self.cfg, out.hidden[:, 1]), length)
+    def propose(self, dparams, state: SmallLMState, ctx: DraftContext):
+        length, g = ctx.length, self.block_size
+        # Catch up on the committed tokens fed .. length - 1 (the anchor last); rows that are done feed none.
+        pos = state.fed[:, None] + jnp.arange(g + 1)[None]
+        toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), axis=1)
+        new = jnp.clip(length - state.fed, 0, g + 1)
+        hidden, caught_up, _, _ = tm.forward(dparams, self.cfg, toks, pos, state.cache, lengths=new)
+        last = jnp.take_along_axis(hidden, jnp.maximum(new - 1, 0)[:, None, None], axis=1)[:, 0]
+        first, first_logp = self.choose(ctx, tm.logits(dparams, self.cfg, last), length)
 
         def step(carry, i):
             cache, token = carry
-            p = (length + i)[:, None]
-            o = transformer.forward(dparams, self.cfg, token[:, None], p - 1, cache)
-            nxt, logp = self.choose(ctx, transformer.logits(dparams, self.cfg, o.hidden[:, 0]), length + i)
-            return (o.cache, nxt), (nxt, logp if ctx.needs_q else None)
+            p = (length + i - 1)[:, None]  # the previous draft sits at index length + i - 1
+            h, cache, _, _ = tm.forward(dparams, self.cfg, token[:, None], p, cache)
+            nxt, logp = self.choose(ctx, tm.logits(dparams, self.cfg, h[:, 0]), length + i)
+            return (cache, nxt), (nxt, logp if ctx.needs_q else None)
 
-        (cache, _), (rest, rest_logp) = jax.lax.scan(step, (out.cache, first), jnp.arange(1, self.block_size))
+        (cache, _), (rest, rest_logp) = jax.lax.scan(step, (caught_up, first), jnp.arange(1, g))
         drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
         q = None
         if ctx.needs_q:
             q = jnp.concatenate([first_logp[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1)
-        return Proposal(drafts, q), cache
+        # The drafts' K/V rows may stay (never read); the recurrent state is the committed one.
+        return Proposal(drafts, q), SmallLMState(tm.keep_recurrent_state(cache, caught_up), state.fed + new)
 
 
 def load(path: str, target, dtype) -> tuple[SmallLM, dict]:
     """An HF causal LM as a drafter; with a target, it must share the target's tokenizer."""
     cfg, params, tok = load_model(path, dtype)
-    if tm.is_hybrid(cfg):
-        raise ValueError(f"{path!r} is a hybrid recurrent model: the small-LM drafter runs dense Llama / Qwen3 "
-                         "models (a recurrent drafter cannot roll back its state by re-feeding tokens)")
     ttok = getattr(target, "tokenizer", None)
     if tok is not None and ttok is not None and tok.get_vocab() != ttok.get_vocab():
         raise ValueError(f"drafter {path!r} has a different tokenizer from the target {target.path!r}: "
@@ -86,7 +96,7 @@ def load(path: str, target, dtype) -> tuple[SmallLM, dict]:
 
 
 def save(path: str, drafter: SmallLM, params: dict, dtype=None) -> None:
-    save_params(path, drafter.cfg, params, dtype=dtype)
+    save_model(path, drafter.cfg, params, dtype)
 
 
 def with_shape(drafter: SmallLM, block_size: int, tree_budget: int) -> SmallLM:

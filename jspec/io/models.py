@@ -1,5 +1,6 @@
 """Language-model checkpoints of every supported architecture (dense Llama / Qwen3 and the Gated DeltaNet
-hybrids) behind one strict loader: the target, and small LMs used as drafters, load through it."""
+hybrids) behind one strict loader and one exporter: the target, and small LMs used as drafters, go
+through them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import os
 
 import jax.numpy as jnp
 
-from jspec.io.hf import load_params
-from jspec.io.hf_hybrid import load_hybrid_params
+from jspec.io.hf import load_params, save_params
+from jspec.io.hf_hybrid import load_hybrid_params, save_hybrid_params
 from jspec.io.tokenizer import load_tokenizer
 from jspec.models import config, hybrid
 
@@ -42,3 +43,8 @@ def load_model(path: str, dtype=jnp.float32):
             f"{cfg.vocab_size}: the tokenizer does not belong to this checkpoint"
         )
     return cfg, params, tok
+
+
+def save_model(path: str, cfg, params: dict, dtype=None) -> None:
+    """config.json + model.safetensors that `load_model` (and transformers) read back."""
+    (save_hybrid_params if isinstance(cfg, hybrid.HybridConfig) else save_params)(path, cfg, params, dtype=dtype)

@@ -43,6 +43,22 @@ def forward(params, cfg, tokens, positions, cache, *, ctx_len=None, cache_rows=N
     return out.hidden, out.cache, out.taps, None
 
 
+def declarations(cfg):
+    """Every parameter's declaration (jspec.models.declare) of a dense or hybrid model."""
+    return (hybrid if is_hybrid(cfg) else transformer).declarations(cfg)
+
+
+def keep_recurrent_state(cache, source):
+    """`cache` with the recurrent state (conv windows, GDN states) of `source`; dense caches have none."""
+    if not is_hybrid_cache(cache):
+        return cache
+    return dataclasses.replace(cache, conv=source.conv, ssm=source.ssm)
+
+
+def is_hybrid_cache(cache) -> bool:
+    return isinstance(cache, hybrid.HybridCache)
+
+
 def logits(params, cfg, hidden):
     return (hybrid.logits if is_hybrid(cfg) else transformer.logits)(params, cfg, hidden)
 
