@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import time
@@ -24,8 +23,8 @@ import numpy as np
 
 import jspec
 from jspec.api import pack_prompts
-from jspec.decode import ar, profile
-from jspec.drafters.base import GREEDY, DraftContext, Drafter, PrefillInfo
+from jspec.decode import ar, profile, spec
+from jspec.drafters.base import GREEDY, DraftContext, Drafter
 from jspec.verify.sampling import SamplingParams
 
 INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
@@ -40,13 +39,11 @@ def loop_setup(cfg, drafter: Drafter | None, dcfg: ar.DecodeConfig):
     if drafter is None:
         return jax.jit(lambda params, dparams, prompts, plen, seeds: (
             ar.prefill(params, cfg, dcfg, prompts, plen, seeds)[0], ()))
-    width = drafter.num_drafts + 1
-    dcfg = dataclasses.replace(dcfg, scratch_rows=width)
 
     @jax.jit
     def setup(params, dparams, prompts, plen, seeds):
-        core, taps = ar.prefill(params, cfg, dcfg, prompts, plen, seeds, taps=drafter.taps)
-        return core, drafter.init(dparams, PrefillInfo(prompts, plen, taps), dcfg.cache_size + width)
+        state = spec.start(params, dparams, cfg, drafter, dcfg, prompts, plen, seeds)
+        return state.core, state.draft
 
     return setup
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jspec.decode import ar, spec
 from jspec.decode.profile import median_seconds
 from jspec.demo import DEMO_CONFIG
-from jspec.drafters.base import DraftContext, PrefillInfo
+from jspec.drafters.base import DraftContext
 from jspec.drafters.lm import SmallLM
 from jspec.drafters.lookup import PromptLookup
 from jspec.models import transformer
@@ -79,13 +79,12 @@ def main(argv=None) -> None:
         rounds = int(st.stats.loop_rounds)
         tau = float(st.stats.committed.sum()) / float(st.stats.rounds.sum())
 
-        # Components on the state the loop starts from, jitted separately.
-        width = drafter.num_drafts + 1
-        pcfg = dataclasses.replace(dcfg, scratch_rows=width)
-        core, taps = jax.jit(ar.prefill, static_argnums=(1, 2, 6))(params, cfg, pcfg, prompt, plen, seeds, ())
-        prefill_t = median_seconds(lambda: jax.jit(ar.prefill, static_argnums=(1, 2, 6))(
-            params, cfg, pcfg, prompt, plen, seeds, ())[0].tokens, repeats=args.repeats)
-        dstate = drafter.init(dparams, PrefillInfo(prompt, plen, taps), pcfg.cache_size + width)
+        # Components on the state the loop starts from (its own set-up, spec.start), jitted separately.
+        setup = jax.jit(spec.start, static_argnums=(2, 3, 4))
+        first = setup(params, dparams, cfg, drafter, dcfg, prompt, plen, seeds)
+        core, dstate = first.core, first.draft
+        prefill_t = median_seconds(lambda: setup(params, dparams, cfg, drafter, dcfg, prompt, plen, seeds).core.tokens,
+                                   repeats=args.repeats)
         ctx = DraftContext(core.tokens, core.length, core.seeds, params, target_cfg=cfg, sampling=dcfg.sampling)
 
         def draft_step(w, carry):  # the drafted tokens feed the next call, so nothing is optimised away
