@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import conformance
 import jspec
 from jspec.cli import main as cli_main
 from jspec.demo import DEMO_CONFIG, create_demo_model
@@ -102,6 +103,7 @@ def bigram_family():
     fam = family.register_family(family.Family(
         name="bigram", drafter=Bigram, detect=lambda hf: ARCH in (hf.get("architectures") or []), load=_load,
         save=_save, with_shape=_with_shape, recipe=family.TrainRecipe(build=_build, loss=_loss),
+        example=lambda target: _build({"drafter": {"block_size": 3}}, target, jax.random.key(0)),
         summary="a bigram table (defined in a test)"))
     yield fam
     del family.FAMILIES["bigram"]
@@ -208,6 +210,13 @@ def test_measured_by_jspec_bench(target, bigram_dir, tmp_path):
     assert [c["label"] for c in report["combos"]] == [f"{name} g=2 greedy T=0", f"{name} g=3 greedy T=0"]
     # The bench's prompts are not the ones the table knows: tau is only bounded, outputs are plain AR's.
     assert all(1.0 <= c["acceptance"]["tau"] <= 4.0 and c["outputs_equal_ar"] for c in report["combos"])
+
+
+@pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_inherits_the_conformance_checks(target, bigram_family, check, monkeypatch, tmp_path):
+    kwargs = {k: v for k, v in (("monkeypatch", monkeypatch), ("tmp_path", tmp_path))
+              if k in check.__code__.co_varnames}
+    check(target, bigram_family, **kwargs)
 
 
 # --- every registered family ---------------------------------------------------------------------------------

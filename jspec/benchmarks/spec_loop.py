@@ -80,6 +80,7 @@ def main(argv=None) -> None:
         tau = float(st.stats.committed.sum()) / float(st.stats.rounds.sum())
 
         # Components on the state the loop starts from (its own set-up, spec.start), jitted separately.
+        width = drafter.num_drafts + 1
         setup = jax.jit(spec.start, static_argnums=(2, 3, 4))
         first = setup(params, dparams, cfg, drafter, dcfg, prompt, plen, seeds)
         core, dstate = first.core, first.draft
@@ -103,7 +104,8 @@ def main(argv=None) -> None:
 
         def verify_step(w, carry):  # each pass verifies the previous pass's argmax tokens
             cache, tokens = carry
-            out = transformer.forward(w, cfg, tokens, pos, cache, ctx_len=core.length - 1, tree_mask=mask)
+            out = transformer.forward(w, cfg, tokens, pos, cache, ctx_len=core.length - 1, cache_rows=pos,
+                                      tree_mask=mask)
             return out.cache, jnp.argmax(transformer.logits(w, cfg, out.hidden), axis=-1).astype(jnp.int32)
 
         verify_loop = _in_loop(verify_step)

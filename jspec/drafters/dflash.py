@@ -425,6 +425,14 @@ def with_shape(drafter: DFlash, block_size: int, tree_budget: int) -> DFlash:
     return dataclasses.replace(drafter, tree_budget=tree_budget)
 
 
+EXAMPLE_RUN = {"drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 0, "num_taps": 1}, "init_std": 0.3}
+
+
+def _example(target) -> tuple[DFlash, dict]:
+    return _build(EXAMPLE_RUN, target, jax.random.key(0))
+
+
 register_family(Family(name="dflash", drafter=DFlash, detect=lambda hf: "dflash_config" in hf, load=_load,
                        save=_save, with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       example=_example,
                        summary="z-lab DFlash: config.json with a dflash_config section"))

@@ -319,7 +319,13 @@ def _save(path: str, drafter: DSpark, params: dict, dtype=None) -> None:
     save_checkpoint(path, drafter.spark, params, dtype)
 
 
+def _example(target) -> tuple[DSpark, dict]:
+    run = {**dflash.EXAMPLE_RUN, "drafter": {**dflash.EXAMPLE_RUN["drafter"], "markov_rank": 8,
+                                             "markov_head_type": "rnn"}}
+    return _build(run, target, jax.random.key(0))
+
+
 register_family(Family(name="dspark", drafter=DSpark, detect=is_dspark_config, load=_load, save=_save,
-                       with_shape=dflash.with_shape,
+                       with_shape=dflash.with_shape, example=_example,
                        recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "lm_head")),
                        summary="DeepSpec DSpark: architectures Qwen3DSparkModel"))

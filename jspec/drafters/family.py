@@ -63,6 +63,9 @@ class Family:
     with_shape(drafter, block_size, tree_budget) -> Drafter: the drafter at this draft shape; a family
         whose shape is fixed by its checkpoint keeps what it cannot change, and raises ValueError
         naming the fix for a shape it cannot draft (e.g. a tree from a chain-only drafter).
+    example(target) -> (Drafter, params): a small drafter of the family for this target (random weights,
+        or derived from the target), which the conformance suite (tests/conformance.py) runs every
+        registered family's checks on.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Family:
     lookup: Callable[[Any], Drafter] | None = None
     with_shape: Callable[[Drafter, int, int], Drafter] = _no_shape
     recipe: TrainRecipe | None = None
+    example: Callable[[Any], tuple[Drafter, Any]] | None = None
     summary: str = ""  # one line for listings: what the family is
 
 

@@ -3,10 +3,12 @@
 Any target architecture serves as a drafter: a dense Llama / Qwen3 model or a hybrid Gated DeltaNet one
 (Qwen3-Next / Qwen3.5; a checkpoint of the target's own family, or the target itself as a self-drafter).
 It keeps its own cache, holding every committed token before `fed` (for recurrent layers: the state
-after exactly those tokens). Each round first feeds the committed tokens it has not seen (fed .. the
-anchor, at most g + 1 of them) in one pass, whose recurrent state after the anchor is the state kept;
-the g drafts then run on top of it. Draft K/V rows lie beyond the committed length, are never read,
-and the next round's catch-up pass overwrites them, so rejected drafts need no rollback.
+after exactly those tokens). Each round first feeds, in one pass, the committed tokens whose rows may
+be stale: for a recurrent model every one it has not seen (fed .. the anchor, at most g + 1), whose
+state after the anchor is the state kept; for a dense model the two newest (the K/V rows of accepted
+drafts already hold those tokens). The g drafts then run on top. Draft K/V rows lie beyond the
+committed length, are never read, and a later catch-up pass overwrites them, so rejected drafts need no
+rollback.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ class SmallLM(Drafter):
 
     def propose(self, dparams, state: SmallLMState, ctx: DraftContext):
         length, g = ctx.length, self.block_size
-        # Catch up on the committed tokens fed .. length - 1 (the anchor last); rows that are done feed none.
-        pos = state.fed[:, None] + jnp.arange(g + 1)[None]
+        # Catch up on the committed tokens start .. length - 1 (the anchor last; rows that are done feed
+        # none). A recurrent model must start where its state stopped (fed: at most g + 1 tokens); a dense
+        # one only re-feeds the two newest, since accepted drafts left K/V rows of the right tokens.
+        if tm.is_hybrid(self.cfg):
+            start, width = state.fed, g + 1
+        else:
+            start, width = jnp.maximum(length - 2, 0), 2
+        pos = start[:, None] + jnp.arange(width)[None]
         toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), axis=1)
-        new = jnp.clip(length - state.fed, 0, g + 1)
+        new = jnp.clip(length - start, 0, width)
         hidden, caught_up, _, _ = tm.forward(dparams, self.cfg, toks, pos, state.cache, lengths=new)
         last = jnp.take_along_axis(hidden, jnp.maximum(new - 1, 0)[:, None, None], axis=1)[:, 0]
         first, first_logp = self.choose(ctx, tm.logits(dparams, self.cfg, last), length)
@@ -82,7 +90,7 @@ class SmallLM(Drafter):
         if ctx.needs_q:
             q = jnp.concatenate([first_logp[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1)
         # The drafts' K/V rows may stay (never read); the recurrent state is the committed one.
-        return Proposal(drafts, q), SmallLMState(tm.keep_recurrent_state(cache, caught_up), state.fed + new)
+        return Proposal(drafts, q), SmallLMState(tm.keep_recurrent_state(cache, caught_up), start + new)
 
 
 def load(path: str, target, dtype) -> tuple[SmallLM, dict]:
@@ -106,4 +114,5 @@ def with_shape(drafter: SmallLM, block_size: int, tree_budget: int) -> SmallLM:
 
 
 register_family(Family(name="lm", drafter=SmallLM, detect=is_causal_lm, load=load, save=save, with_shape=with_shape,
+                       example=lambda target: (SmallLM(cfg=target.cfg, block_size=3), target.params),  # self-drafter
                        summary="a small Hugging Face causal LM sharing the target's tokenizer"))

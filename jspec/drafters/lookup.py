@@ -108,4 +108,5 @@ def with_shape(drafter: PromptLookup, block_size: int, tree_budget: int) -> Prom
 
 register_family(Family(name="lookup", drafter=PromptLookup,
                        lookup=lambda target: PromptLookup(vocab_size=target.cfg.vocab_size), with_shape=with_shape,
+                       example=lambda target: (PromptLookup(block_size=3, vocab_size=target.cfg.vocab_size), ()),
                        summary="prompt lookup (n-gram matches in the committed text; no parameters)"))
