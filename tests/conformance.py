@@ -14,6 +14,7 @@ Each check takes a target and a family and uses the family's `example(target)` d
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -85,9 +86,11 @@ def check_batch_invariance(target, fam):
             assert alone.tokens[0] == together[i], (fam.name, s, i)
 
 
-def check_unwritten_cache_rows_are_never_read(target, fam, monkeypatch):
-    drafter, params = fam.example(target)
-    plain = _generate(target, sampling=GREEDY).tokens
+@contextlib.contextmanager
+def nan_filled_caches(monkeypatch):
+    """Inside the block every dense KV cache (the target's, a small-LM drafter's) starts as NaN, so one
+    read of a row that was never written poisons the output. Compiled programs are dropped on entry and
+    exit (they hold the zero-initialised caches)."""
     real_zeros = transformer.KVCache.zeros.__func__
 
     def nan_cache(cls, cfg, batch, size, dtype=jnp.float32):
@@ -98,14 +101,21 @@ def check_unwritten_cache_rows_are_never_read(target, fam, monkeypatch):
     monkeypatch.setattr(transformer.KVCache, "zeros", classmethod(nan_cache))
     jax.clear_caches()
     try:
+        yield
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+def check_unwritten_cache_rows_are_never_read(target, fam, monkeypatch):
+    drafter, params = fam.example(target)
+    plain = _generate(target, sampling=GREEDY).tokens
+    with nan_filled_caches(monkeypatch):
         for dr in _shapes(fam, drafter):
             res = _generate(target, (dr, params), sampling=GREEDY)
             assert res.tokens == plain, (fam.name, dr.kind)
             res = _generate(target, (dr, params), sampling=SAMPLED)
             assert all(np.isfinite(lp).all() for lp in res.logprobs), (fam.name, dr.kind)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
 
 
 def check_checkpoint_round_trip(target, fam, tmp_path):

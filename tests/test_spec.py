@@ -5,17 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
+from conformance import nan_filled_caches
 from jspec.cli import main as cli_main
 from jspec.decode import ar, spec
 from jspec.drafters.base import Proposal
 from jspec.drafters.lm import SmallLM
-from jspec.models import transformer
 from jspec.verify.sampling import SamplingParams
 
 # Rows of different lengths, with repetitions so that prompt lookup finds matches.
@@ -122,25 +121,13 @@ def test_committed_cache_rows_equal_plain_decoding(target, tree_budget):
 
 def test_unwritten_rows_are_never_read(target, small_lm_dir, monkeypatch, baselines):
     """Every cache row starts as NaN: a single read of a row that was not written poisons the output."""
-    real_zeros = transformer.KVCache.zeros.__func__
-
-    def nan_cache(cls, cfg, batch, size, dtype=jnp.float32):
-        c = real_zeros(cls, cfg, batch, size, dtype)
-        nan = lambda layers: tuple(jnp.full_like(x, jnp.nan) for x in layers)
-        return cls(nan(c.k), nan(c.v))
-
-    monkeypatch.setattr(transformer.KVCache, "zeros", classmethod(nan_cache))
-    jax.clear_caches()
-    try:
+    with nan_filled_caches(monkeypatch):
         for drafter, kw in [("lookup", dict(block_size=5)), ("lookup", dict(tree_budget=7)),
                             (small_lm_dir, dict(block_size=3))]:
             res = _run(target, drafter, SamplingParams(1.0), "speculative", **kw)
             assert all(np.isfinite(lp).all() for lp in res.logprobs)
             res = _run(target, drafter, SamplingParams(0.0), **kw)
             assert res.tokens == baselines(SamplingParams(0.0)).tokens
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
 
 
 # --- extremes: a perfect and a hopeless drafter ---------------------------------------------------------
