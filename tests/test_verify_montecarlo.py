@@ -29,11 +29,12 @@ def test_chain_rule_samples_follow_the_target(rule, family):
     assert_matches_target(codes, tables, G + 1)
 
 
-@pytest.mark.parametrize("rule", ["sampling", "sampling_deterministic", "gumbel"])
-def test_tree_rule_samples_follow_the_target(rule):
+@pytest.mark.parametrize("rule, children", [("speculative", "iid"), ("speculative", "deterministic"),
+                                            ("gumbel", "iid")])
+def test_tree_rule_samples_follow_the_target(rule, children):
     tables = exact.random_tables(np.random.default_rng(22), VOCAB, 4, "sparse")
     fixed = None
-    if rule == "sampling_deterministic":
+    if children == "deterministic":
         # DDTree-like: the drafter's top-2 at the root and under node 0, its top-1 under node 2.
         top_root = np.argsort(-tables.logq[0][0])
         under0 = np.argsort(-tables.logq[1][top_root[0]])

@@ -12,8 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jspec.verify import (
-    CHAIN_RULES,
-    TREE_RULES,
+    RULES,
     SamplingParams,
     block_chain_from_coins,
     check_distribution,
@@ -25,6 +24,9 @@ from jspec.verify import (
 )
 from jspec.verify.tree import sampling_tree_from_coins
 
+CHAIN_RULES = list(RULES)
+TREE_CASES = [(name, children) for name, r in RULES.items() if r.tree is not None
+              for children in (("iid", "deterministic") if r.needs_q else ("iid",))]
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KINDS = ("softmax", "greedy", "truncated", "peaked")
 
@@ -134,9 +136,9 @@ def tree_case(draw):
 def test_tree_rules_return_a_valid_path(case):
     target, tokens, parent, depth, draft_logp, seed = case
     vocab = target.shape[-1]
-    for rule in TREE_RULES:
+    for rule, children in TREE_CASES:
         res = verify_tree(rule, jnp.asarray(target), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(depth),
-                          jnp.asarray(draft_logp), seed=jnp.int32(seed), pos0=jnp.int32(7))
+                          jnp.asarray(draft_logp), seed=jnp.int32(seed), pos0=jnp.int32(7), children=children)
         n, path, token = int(res.n), np.asarray(res.path), int(res.token)
         assert 0 <= n <= depth.max() and 0 <= token < vocab
         assert (path[n:] == -1).all() and (path[:n] >= 0).all()
@@ -243,14 +245,16 @@ def test_draft_tokens_outside_the_vocabulary_are_rejected():
 
 
 def test_registry_dispatch_errors():
-    with pytest.raises(ValueError, match="unknown chain rule"):
+    with pytest.raises(ValueError, match="unknown verifier"):
         verify_chain("typo", GOOD_T, GOOD_D, GOOD_Q)
     with pytest.raises(ValueError, match="needs draft_logp"):
         verify_chain("block", GOOD_T, GOOD_D)
-    with pytest.raises(ValueError, match="unknown tree rule"):
+    with pytest.raises(ValueError, match="unknown verifier"):
         verify_tree("typo", GOOD_T, GOOD_D, jnp.asarray([-1, 0, 1]), jnp.asarray([1, 2, 3]))
     with pytest.raises(ValueError, match="needs draft_logp"):
-        verify_tree("sampling", GOOD_T, GOOD_D, jnp.asarray([-1, 0, 1]), jnp.asarray([1, 2, 3]))
+        verify_tree("speculative", GOOD_T, GOOD_D, jnp.asarray([-1, 0, 1]), jnp.asarray([1, 2, 3]))
+    with pytest.raises(ValueError, match="chain-only"):
+        verify_tree("block", GOOD_T, GOOD_D, jnp.asarray([-1, 0, 1]), jnp.asarray([1, 2, 3]), GOOD_T)
 
 
 @pytest.mark.parametrize("parent, depth, tokens, match", [

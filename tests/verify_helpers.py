@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from jspec.verify import chain, exact, noise, tree
+from jspec.verify import exact, noise, rules
 from jspec.verify.sampling import gumbel_argmax
 
 # Every statistical test rejects at this p-value: with the asymptotic chi-square law of G, each test
@@ -83,7 +83,7 @@ def _chain_runner(rule: str, g: int, vocab: int, pos0: int):
             code = code * vocab + x
         trows.append(lp[g][code])
         draft = jnp.stack(draft)
-        res = chain.verify_chain(rule, jnp.stack(trows), draft, jnp.stack(drows), seed=seed, pos0=jnp.int32(pos0))
+        res = rules.verify_chain(rule, jnp.stack(trows), draft, jnp.stack(drows), seed=seed, pos0=jnp.int32(pos0))
         emitted = jnp.concatenate([draft, jnp.zeros((1,), jnp.int32)]).at[res.n].set(res.token)
         return _complete(lp, seed, pos0, emitted, res.n, g + 1, vocab)
 
@@ -121,8 +121,8 @@ def _tree_runner(rule: str, parent: tuple, vocab: int, pos0: int, fixed: bool):
         tokens = jnp.stack(tokens)
         trows = jnp.stack([lp[0][0]] + [lp[depth[i]][node_code[i]] for i in range(len(parent))])
         drows = jnp.stack([lq[0][0]] + [lq[depth[i]][node_code[i]] for i in range(len(parent))])
-        res = tree.verify_tree(rule, trows, tokens, parent_arr, jnp.asarray(depth), drows, seed=seed,
-                               pos0=jnp.int32(pos0))
+        res = rules.verify_tree(rule, trows, tokens, parent_arr, jnp.asarray(depth), drows, seed=seed,
+                                pos0=jnp.int32(pos0), children="deterministic" if fixed else "iid")
         emitted = jnp.concatenate([tokens[jnp.maximum(res.path, 0)], jnp.zeros((1,), jnp.int32)])
         emitted = emitted[:length].at[res.n].set(res.token)
         return _complete(lp, seed, pos0, emitted, res.n, length, vocab)
@@ -197,7 +197,7 @@ def _multi_round_runner(rule, g, total, vocab, depth, base, draft_noise):
                 drafted = drafted.at[m + k].set(x)
             trows = jnp.stack([row(flat_p, drafted, m + k) for k in range(g + 1)])
             drows = jnp.stack([row(flat_q, drafted, m + k) for k in range(g)])
-            res = chain.verify_chain(rule, trows, jnp.stack(draft), drows, seed=seed, pos0=base + m)
+            res = rules.verify_chain(rule, trows, jnp.stack(draft), drows, seed=seed, pos0=base + m)
             active = m < total
             buf = jnp.where(active, drafted.at[m + res.n].set(res.token), buf)
             return buf, jnp.where(active, m + res.n + 1, m)

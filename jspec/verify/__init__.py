@@ -8,8 +8,6 @@ tree rule functions behind them (`chain`, `tree`), the DSpark verification budge
 from jspec.verify import noise
 from jspec.verify.budget import choose_verify_lengths, expected_rate, survival
 from jspec.verify.chain import (
-    CHAIN_RULE_NEEDS_DRAFT_LOGP,
-    CHAIN_RULES,
     ChainResult,
     CoinOutcome,
     block_chain,
@@ -18,12 +16,9 @@ from jspec.verify.chain import (
     gumbel_chain,
     speculative_chain,
     speculative_chain_from_coins,
-    verify_chain,
 )
 from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs, validate_sampling
 from jspec.verify.tree import (
-    TREE_RULE_NEEDS_DRAFT_LOGP,
-    TREE_RULES,
     TreeCoinOutcome,
     TreeResult,
     greedy_tree,
@@ -31,18 +26,18 @@ from jspec.verify.tree import (
     sampling_tree,
     sampling_tree_deterministic,
     sampling_tree_from_coins,
-    verify_tree,
 )
+from jspec.verify.rules import RULES, Rule, get_rule, register_rule, verify_chain, verify_tree
 from jspec.verify.validate import check_distribution, check_tree
 
 __all__ = [
-    "CHAIN_RULES",
-    "CHAIN_RULE_NEEDS_DRAFT_LOGP",
+    "RULES",
+    "Rule",
+    "get_rule",
+    "register_rule",
     "ChainResult",
     "CoinOutcome",
     "SamplingParams",
-    "TREE_RULES",
-    "TREE_RULE_NEEDS_DRAFT_LOGP",
     "TreeCoinOutcome",
     "TreeResult",
     "block_chain",

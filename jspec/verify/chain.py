@@ -19,7 +19,7 @@ and a thin keyed sampler around it. The coin form is what the exactness tests in
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -308,30 +308,3 @@ def block_chain(target_logp, draft, draft_logp, seed, pos0, *, length=None) -> C
     check_chain_inputs(target_logp, draft, draft_logp, seed, pos0, length)
     check_concrete_chain(target_logp, draft, draft_logp)
     return _block_chain(target_logp, draft, draft_logp, seed, pos0, length)
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry.
-
-CHAIN_RULES: dict[str, Callable[..., ChainResult]] = {
-    "greedy": greedy_chain,
-    "speculative": speculative_chain,
-    "block": block_chain,
-    "gumbel": gumbel_chain,
-}
-# Which rules read the proposal distribution q (the others only compare tokens).
-CHAIN_RULE_NEEDS_DRAFT_LOGP: dict[str, bool] = {"greedy": False, "speculative": True, "block": True, "gumbel": False}
-
-
-def verify_chain(rule: str, target_logp, draft, draft_logp=None, *, seed=0, pos0=0, length=None) -> ChainResult:
-    """Call a chain rule by name with one uniform signature (`rule` is static)."""
-    if rule not in CHAIN_RULES:
-        raise ValueError(f"unknown chain rule {rule!r}; choose one of {sorted(CHAIN_RULES)}")
-    if CHAIN_RULE_NEEDS_DRAFT_LOGP[rule] and draft_logp is None:
-        raise ValueError(f"chain rule {rule!r} needs draft_logp [g, V], the proposal distribution that produced "
-                         "the draft; pass it or use the 'greedy' or 'gumbel' rule")
-    if rule == "greedy":
-        return greedy_chain(target_logp, draft, length=length)
-    if rule == "gumbel":
-        return gumbel_chain(target_logp, draft, seed, pos0, length=length)
-    return CHAIN_RULES[rule](target_logp, draft, draft_logp, seed, pos0, length=length)

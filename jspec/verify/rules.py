@@ -72,6 +72,32 @@ def get_rule(name: str) -> Rule:
     return RULES[name]
 
 
+def verify_chain(name: str, target_logp, draft, draft_logp=None, *, seed=0, pos0=0, length=None) -> ChainResult:
+    """One row through the registered rule `name` (static): target_logp [g + 1, V], draft [g], draft_logp
+    [g, V] (the q that drew the drafts; rules that only compare tokens ignore it). The per-row form of
+    `Rule.verify_chain`, for tests and analysis."""
+    rule = get_rule(name)
+    if rule.needs_q and draft_logp is None:
+        raise ValueError(f"the {name!r} rule needs draft_logp [g, V], the proposal distribution that produced "
+                         f"the draft; pass it or use a rule that only compares tokens "
+                         f"({', '.join(n for n, r in RULES.items() if not r.needs_q)})")
+    return rule.chain(target_logp, draft, draft_logp, seed, pos0, length)
+
+
+def verify_tree(name: str, target_logp, tokens, parent, depth, draft_logp=None, *, seed=0, pos0=0,
+                children: str = "iid") -> TreeResult:
+    """One tree through the registered rule `name` (static): target_logp [N + 1, V], tokens / parent / depth
+    [N], draft_logp [N + 1, V] (needed by sampling rules when children are i.i.d. draws from q). The
+    per-row form of `Rule.verify_tree`."""
+    rule = get_rule(name)
+    if rule.tree is None:
+        raise ValueError(f"the {name!r} verifier is chain-only and cannot verify a tree")
+    if rule.needs_q and children == "iid" and draft_logp is None:
+        raise ValueError(f"the {name!r} rule needs draft_logp [N + 1, V] for i.i.d. children (the q they were drawn "
+                         "from); pass it, or children='deterministic' for fixed children")
+    return rule.tree(target_logp, tokens, parent, depth, draft_logp, seed, pos0, children)
+
+
 def default_rule(greedy_sampling: bool) -> str:
     """The verifier a request gets when it names none: the plain-decoding-exact rule for its sampling."""
     return next(r.name for r in RULES.values() if r.plain_tokens and r.greedy_only == greedy_sampling)

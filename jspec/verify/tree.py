@@ -36,7 +36,7 @@ Rules:
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -204,27 +204,3 @@ def sampling_tree(target_logp, tokens, parent, depth, draft_logp, seed, pos0, *,
 def sampling_tree_deterministic(target_logp, tokens, parent, depth, seed, pos0) -> TreeResult:
     """sampling_tree with children="deterministic" (DDTree / top-k trees), without draft_logp."""
     return sampling_tree(target_logp, tokens, parent, depth, None, seed, pos0, children="deterministic")
-
-
-TREE_RULES: dict[str, Callable[..., TreeResult]] = {
-    "greedy": greedy_tree,
-    "gumbel": gumbel_tree,
-    "sampling": sampling_tree,
-    "sampling_deterministic": sampling_tree_deterministic,
-}
-TREE_RULE_NEEDS_DRAFT_LOGP: dict[str, bool] = {
-    "greedy": False, "gumbel": False, "sampling": True, "sampling_deterministic": False,
-}
-
-
-def verify_tree(rule: str, target_logp, tokens, parent, depth, draft_logp=None, *, seed=0, pos0=0) -> TreeResult:
-    """Call a tree rule by name with one uniform signature (`rule` is static)."""
-    if rule not in TREE_RULES:
-        raise ValueError(f"unknown tree rule {rule!r}; choose one of {sorted(TREE_RULES)}")
-    if rule == "greedy":
-        return greedy_tree(target_logp, tokens, parent, depth)
-    if rule == "gumbel":
-        return gumbel_tree(target_logp, tokens, parent, depth, seed, pos0)
-    if rule == "sampling_deterministic":
-        return sampling_tree_deterministic(target_logp, tokens, parent, depth, seed, pos0)
-    return sampling_tree(target_logp, tokens, parent, depth, draft_logp, seed, pos0)
