@@ -212,6 +212,18 @@ def test_measured_by_jspec_bench(target, bigram_dir, tmp_path):
     assert all(1.0 <= c["acceptance"]["tau"] <= 4.0 and c["outputs_equal_ar"] for c in report["combos"])
 
 
+def test_measured_by_the_bench_command(target_dir, bigram_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert cli_main(["bench", "--target", target_dir, "--drafters", bigram_dir, "--block-sizes", "2",
+                     "--tree-budgets", "0", "--temperatures", "0", "--prompts", "1", "--prompt-len", "16",
+                     "--max-new-tokens", "8", "--repeats", "1", "--verify-widths", "1", "--no-peer",
+                     "--bandwidth-gbs", "10", "--no-progress", "--out", str(out)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "bench.json").read_text())
+    name = os.path.basename(os.path.normpath(bigram_dir))
+    assert [c["label"] for c in report["combos"]] == [f"{name} g=2 greedy T=0"]
+    assert report["combos"][0]["outputs_equal_ar"]
+
+
 @pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 def test_inherits_the_conformance_checks(target, bigram_family, check, monkeypatch, tmp_path):
     kwargs = {k: v for k, v in (("monkeypatch", monkeypatch), ("tmp_path", tmp_path))

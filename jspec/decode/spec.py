@@ -42,7 +42,7 @@ class SpecConfig:
     """
 
     decode: ar.DecodeConfig
-    verifier: str = "greedy"
+    verifier: str
     sps: tuple[float, ...] | None = None
 
 
