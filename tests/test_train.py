@@ -101,6 +101,29 @@ def test_resume_is_exact_and_skips_half_written_steps(tmp_path):
     assert losses == again  # same batches, same losses
 
 
+def test_frozen_parameters_are_arguments_of_the_step_not_constants(target, tmp_path):
+    """The frozen target reaches the compiled drafter step as an argument: no constant of its size."""
+    from jspec.drafters import family
+    from jspec.train import distill
+    from jspec.train.drafter import DrafterLoss
+
+    run = {"drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1], "mask_token_id": 63},
+           "train": {"seed": 0}}
+    dr, params = distill.build_drafter("dflash", run, target)
+    recipe = family.get_family("dflash").recipe
+    tc = TrainConfig(steps=1, lr=1e-3, warmup_frac=0.0, ckpt_every=1, keep=1, log_every=1)
+    trainer = Trainer(lambda p, b, t: recipe.loss(p, t, CFG, dr, DrafterLoss(num_anchors=2), b, jax.random.key(0)),
+                      params, tc, str(tmp_path), fingerprint={"test": "frozen"}, frozen=target.params)
+    tokens = jnp.ones((1, 16), jnp.int32)
+    hlo = trainer._step.lower(trainer.state, {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)},
+                              target.params).as_text()
+    embed = "x".join(map(str, target.params["embed"].shape))
+    assert f"tensor<{embed}xf32>" in hlo  # the embedding is there, as an argument ...
+    assert not any("constant" in line and f"tensor<{embed}xf32>" in line for line in hlo.splitlines())  # ... only
+    state = trainer.run([{"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}], steps=1, progress=False)
+    assert np.isfinite(np.asarray(jax.tree_util.tree_leaves(state.params)[0])).all()
+
+
 def test_resume_into_another_configs_directory_is_refused(tmp_path):
     _lm_trainer(tmp_path).run(_dataset(), steps=1, progress=False)
     tc = TrainConfig(steps=6)

@@ -95,12 +95,13 @@ def train_drafter(family_name: str, config_path: str, target_path: str, out_dir:
     frozen = {k: v for k, v in params.items() if k in recipe.frozen}
     trainable = {k: v for k, v in params.items() if k not in frozen}
 
-    def loss_fn(p, batch):
+    def loss_fn(p, batch, fixed):  # fixed: the target's parameters and the drafter's frozen ones
         key = jax.random.fold_in(base_key, batch["step"][0])
-        return recipe.loss({**p, **frozen}, target.params, target.cfg, dr, spec, batch, key)
+        return recipe.loss({**p, **fixed["drafter"]}, fixed["target"], target.cfg, dr, spec, batch, key)
 
     trainer = Trainer(loss_fn, trainable, tc, out_dir, fingerprint={"kind": family_name, "config": cfg,
-                                                                      "target": os.path.abspath(target_path)})
+                                                                      "target": os.path.abspath(target_path)},
+                      frozen={"target": target.params, "drafter": frozen})
     start = trainer.restore_latest()
     ds = data.dict_batches(arrays, cfg["data"]["batch_size"], tc.seed)
     stepped = _with_step(ds)

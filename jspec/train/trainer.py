@@ -55,20 +55,26 @@ class TrainState:
 
 
 class Trainer:
-    """loss_fn(params, batch) -> (loss, metrics dict of scalars); params is the trainable pytree."""
+    """loss_fn(params, batch) -> (loss, metrics dict of scalars); params is the trainable pytree.
+
+    frozen: a pytree the loss reads but does not train (a frozen target's parameters); with it the loss is
+    loss_fn(params, batch, frozen), and it is an argument of the compiled step, not a constant folded into
+    the program (a closed-over array would be: a second copy of a large model, and a slow compile)."""
 
     def __init__(self, loss_fn: Callable, params: Any, tc: TrainConfig, run_dir: str, fingerprint: dict,
-                 sharding: Callable[[Any], Any] | None = None):
+                 sharding: Callable[[Any], Any] | None = None, frozen: Any = None):
         self.tc, self.run_dir, self.fingerprint = tc, os.path.abspath(run_dir), fingerprint
         self.opt = make_optimizer(tc)
         self.state = TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
         self.shard_batch = sharding or (lambda b: b)
+        self.frozen = frozen
 
-        def step(state: TrainState, batch):
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        def step(state: TrainState, batch, frozen):
+            args = (batch,) if frozen is None else (batch, frozen)
+            (loss_value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, *args)
             updates, opt_state = self.opt.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+            metrics = dict(metrics, loss=loss_value, grad_norm=optax.tree.norm(grads))
             return TrainState(params, opt_state, state.step + 1), metrics
 
         self._step = jax.jit(step, donate_argnums=(0,))
@@ -117,7 +123,7 @@ class Trainer:
         with open(metrics_file, "a") as log:
             for i in bar:
                 batch = self.shard_batch(jax.tree_util.tree_map(jnp.asarray, dataset[i]))
-                self.state, metrics = self._step(self.state, batch)
+                self.state, metrics = self._step(self.state, batch, self.frozen)
                 tokens += int(np.prod(jax.tree_util.tree_leaves(batch)[0].shape))
                 step = i + 1
                 if step % self.tc.log_every == 0 or step == end:
