@@ -246,3 +246,6 @@ def test_no_checkpoint_matches_two_families(target_dir, bigram_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["SomethingElse"]}))
     with pytest.raises(ValueError, match="no drafter checkpoint jspec knows.*bigram"):
         family.detect(str(tmp_path))
+    # A drafter format on a causal-LM config (no architectures field) beats the small-LM fallback.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "dflash_config": {}}))
+    assert family.detect(str(tmp_path)).name == "dflash"

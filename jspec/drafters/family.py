@@ -66,6 +66,8 @@ class Family:
     example(target) -> (Drafter, params): a small drafter of the family for this target (random weights,
         or derived from the target), which the conformance suite (tests/conformance.py) runs every
         registered family's checks on.
+    fallback: the family's `detect` accepts any plain causal LM (the small-LM drafter); it loads a folder
+        only when no other family's `detect` does (a drafter format built on a causal-LM config wins).
     """
 
     name: str
@@ -77,6 +79,7 @@ class Family:
     with_shape: Callable[[Drafter, int, int], Drafter] = _no_shape
     recipe: TrainRecipe | None = None
     example: Callable[[Any], tuple[Drafter, Any]] | None = None
+    fallback: bool = False
     summary: str = ""  # one line for listings: what the family is
 
 
@@ -119,10 +122,12 @@ def trainable() -> list[str]:
 
 
 def detect(path: str) -> Family:
-    """The one family whose `detect` accepts the checkpoint folder's config.json; ValueError when none
-    or several do (naming them)."""
+    """The one family whose `detect` accepts the checkpoint folder's config.json (a fallback family only
+    when no other does); ValueError when none or several do (naming them)."""
     hf = read_config(path)
     hits = [f for f in FAMILIES.values() if f.detect is not None and f.detect(hf)]
+    if len(hits) > 1:
+        hits = [f for f in hits if not f.fallback] or hits
     if len(hits) == 1:
         return hits[0]
     arch = hf.get("architectures")

@@ -115,4 +115,5 @@ def with_shape(drafter: SmallLM, block_size: int, tree_budget: int) -> SmallLM:
 
 register_family(Family(name="lm", drafter=SmallLM, detect=is_causal_lm, load=load, save=save, with_shape=with_shape,
                        example=lambda target: (SmallLM(cfg=target.cfg, block_size=3), target.params),  # self-drafter
+                       fallback=True,
                        summary="a small Hugging Face causal LM sharing the target's tokenizer"))
