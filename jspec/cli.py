@@ -166,6 +166,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (the step to stop at), got {args.steps}")
     if args.mesh and args.what != "target":
         raise ValueError(f"--mesh trains the target only; a {args.what} drafter trains on one device: "
                          f"drop --mesh from `jspec train {args.what}`")
@@ -225,7 +227,7 @@ def run_command(args) -> int:
     """Run parsed `jspec` arguments; a ValueError or a missing file is reported as an error, exit code 2."""
     try:
         return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # bad input, missing files, a diverged training run
         print(f"jspec: error: {err}", file=sys.stderr)
         return 2
 

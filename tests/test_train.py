@@ -19,7 +19,7 @@ from jspec.drafters import dflash as dfl
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
 from jspec.train import data, drafter, lm
-from jspec.train.trainer import TrainConfig, Trainer
+from jspec.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 CFG = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
                   num_kv_heads=1, head_dim=16, qk_norm=True)
@@ -116,12 +116,45 @@ def test_frozen_parameters_are_arguments_of_the_step_not_constants(target, tmp_p
                       params, tc, str(tmp_path), fingerprint={"test": "frozen"}, frozen=target.params)
     tokens = jnp.ones((1, 16), jnp.int32)
     hlo = trainer._step.lower(trainer.state, {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)},
-                              target.params).as_text()
+                              target.params, jnp.zeros((), jnp.int32)).as_text()
     embed = "x".join(map(str, target.params["embed"].shape))
     assert f"tensor<{embed}xf32>" in hlo  # the embedding is there, as an argument ...
     assert not any("constant" in line and f"tensor<{embed}xf32>" in line for line in hlo.splitlines())  # ... only
     state = trainer.run([{"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}], steps=1, progress=False)
     assert np.isfinite(np.asarray(jax.tree_util.tree_leaves(state.params)[0])).all()
+
+
+def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    """The loss turns NaN at step 5 (a batch of NaN-making inputs): the run stops there, names step 5, and the
+    newest checkpoint is step 4's, and it restores to finite parameters."""
+    tc = TrainConfig(steps=8, lr=1e-2, warmup_frac=0.1, ckpt_every=2, keep=3, log_every=1)
+    params = transformer.init_params(CFG, jax.random.key(0))
+
+    def loss(p, b):  # windows [B, T + 1]; a window starting with token 63 makes the loss NaN
+        value, metrics = lm.lm_loss(p, CFG, b)
+        return value * jnp.where(b[0, 0] == 63, jnp.nan, 1.0), metrics
+
+    batches = [np.where(np.asarray(_dataset()[i]) == 63, 62, np.asarray(_dataset()[i])) for i in range(8)]
+    batches[4][0, 0] = 63
+    trainer = Trainer(loss, params, tc, str(tmp_path), fingerprint={"cfg": "nan"})
+    with pytest.raises(TrainingDiverged, match="at step 5 .*checkpoint, step 4, is kept"):
+        trainer.run(batches, progress=False)
+    again = Trainer(loss, transformer.init_params(CFG, jax.random.key(0)), tc, str(tmp_path), fingerprint={"cfg": "nan"})
+    assert again.restore_latest() == 4
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(again.state.params))
+
+
+def test_bad_training_settings_are_refused(tmp_path, capsys):
+    for bad, match in [(dict(lr=float("nan")), "lr=nan"), (dict(steps=0), "need steps"), (dict(steps=2.5), "steps=2.5"),
+                       (dict(clip=-1.0), "clip > 0")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        _lm_trainer(tmp_path / "run").run(_dataset(), steps=0, progress=False)
+    from jspec.cli import main
+
+    assert main(["train", "target", "--config", "nope.json", "--out", str(tmp_path / "o"), "--steps", "-5"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
 
 
 def test_resume_into_another_configs_directory_is_refused(tmp_path):
@@ -142,7 +175,7 @@ def test_sharded_step_equals_single_device(tmp_path):
         from jspec.models.config import ModelConfig
         from jspec import parallel
         from jspec.train import data, lm
-        from jspec.train.trainer import TrainConfig, Trainer
+        from jspec.train.trainer import TrainConfig, Trainer, TrainingDiverged
         cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True)
         windows = np.random.default_rng(0).integers(0, 64, size=(64, 17)).astype(np.int32)

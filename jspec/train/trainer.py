@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -36,8 +37,22 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.steps < 1 or self.lr <= 0 or not 0 <= self.warmup_frac < 1 or self.clip <= 0:
-            raise ValueError(f"bad training config {self}: need steps >= 1, lr > 0, 0 <= warmup_frac < 1, clip > 0")
+        ints = ("steps", "ckpt_every", "keep", "log_every", "seed")
+        bad = [f"{n}={getattr(self, n)!r} (an integer)" for n in ints
+               if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int)]
+        bad += [f"{n}={getattr(self, n)!r} (a finite number)" for n in ("lr", "warmup_frac", "weight_decay", "clip")
+                if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), (int, float))
+                or not math.isfinite(getattr(self, n))]
+        if bad:
+            raise ValueError("bad training config: " + ", ".join(bad))
+        if (self.steps < 1 or self.lr <= 0 or not 0 <= self.warmup_frac < 1 or self.clip <= 0 or self.ckpt_every < 1
+                or self.keep < 1 or self.log_every < 1 or self.weight_decay < 0):
+            raise ValueError(f"bad training config {self}: need steps, ckpt_every, keep, log_every >= 1, lr > 0, "
+                             "0 <= warmup_frac < 1, clip > 0, weight_decay >= 0")
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm became NaN / inf; the run stopped without saving that state."""
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -69,13 +84,17 @@ class Trainer:
         self.shard_batch = sharding or (lambda b: b)
         self.frozen = frozen
 
-        def step(state: TrainState, batch, frozen):
+        def step(state: TrainState, batch, frozen, first_bad):
+            """One optimizer step; first_bad: the first step whose loss or gradient was not finite (0: none)."""
             args = (batch,) if frozen is None else (batch, frozen)
             (loss_value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, *args)
             updates, opt_state = self.opt.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics, loss=loss_value, grad_norm=optax.tree.norm(grads))
-            return TrainState(params, opt_state, state.step + 1), metrics
+            grad_norm = optax.tree.norm(grads)
+            metrics = dict(metrics, loss=loss_value, grad_norm=grad_norm)
+            finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm)
+            first_bad = jnp.where((first_bad == 0) & ~finite, state.step + 1, first_bad)
+            return TrainState(params, opt_state, state.step + 1), metrics, first_bad
 
         self._step = jax.jit(step, donate_argnums=(0,))
         os.makedirs(self.run_dir, exist_ok=True)
@@ -114,16 +133,23 @@ class Trainer:
         self.manager.wait_until_finished()
 
     def run(self, dataset, steps: int | None = None, progress: bool = True, metrics_file: str | None = None) -> TrainState:
-        """Train until `steps` (default: the config's) from wherever the state is; checkpoints on the way."""
+        """Train until `steps` (default: the config's) from wherever the state is; checkpoints on the way.
+
+        A non-finite loss or gradient norm stops the run with TrainingDiverged naming the step; it is
+        checked before every checkpoint, so the newest checkpoint always holds a finite state."""
         end = self.tc.steps if steps is None else steps
+        if isinstance(end, bool) or not isinstance(end, int) or end < 1:
+            raise ValueError(f"steps must be an integer >= 1 (the step to stop at), got {end!r}")
         start = int(self.state.step)
         metrics_file = metrics_file or os.path.join(self.run_dir, "metrics.jsonl")
         bar = tqdm(range(start, end), initial=start, total=end, disable=not progress, desc="train", unit="step")
         t0, tokens = time.perf_counter(), 0
+        first_bad = jnp.zeros((), jnp.int32)
+        last_saved = self.manager.latest_step()
         with open(metrics_file, "a") as log:
             for i in bar:
                 batch = self.shard_batch(jax.tree_util.tree_map(jnp.asarray, dataset[i]))
-                self.state, metrics = self._step(self.state, batch, self.frozen)
+                self.state, metrics, first_bad = self._step(self.state, batch, self.frozen, first_bad)
                 tokens += int(np.prod(jax.tree_util.tree_leaves(batch)[0].shape))
                 step = i + 1
                 if step % self.tc.log_every == 0 or step == end:
@@ -133,5 +159,13 @@ class Trainer:
                     log.flush()
                     bar.set_postfix({k: f"{v:.3g}" for k, v in m.items() if k in ("loss", "acc", "tau")})
                 if step % self.tc.ckpt_every == 0 or step == end:
+                    bad = int(first_bad)
+                    if bad:
+                        kept = (f"the newest checkpoint, step {last_saved}, is kept" if last_saved
+                                else "no checkpoint was written yet")
+                        raise TrainingDiverged(
+                            f"training diverged: the loss or gradient became NaN / inf at step {bad} ({kept}): "
+                            f"lower lr (now {self.tc.lr:g}), raise warmup_frac or lower clip, then resume or restart")
                     self.save()
+                    last_saved = step
         return self.state
