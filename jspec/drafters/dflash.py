@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import ddtree
-from jspec.drafters.base import SAMPLE, CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
 from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, export_tensors, read_safetensors

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jspec.drafters import ddtree
 from jspec.drafters import dflash
-from jspec.drafters.base import SAMPLE, DraftContext, Proposal
+from jspec.drafters.base import DraftContext, Proposal
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState, draft_block
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint

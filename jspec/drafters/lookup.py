@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import SAMPLE, DraftContext, Drafter, Proposal, point_mass_logp
+from jspec.drafters.base import DraftContext, Drafter, Proposal, point_mass_logp
 from jspec.drafters.family import Family, register_family
 
 

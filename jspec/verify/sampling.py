@@ -10,7 +10,6 @@ round); `_served_logprobs_sorted` is the sort-based reference they are tested ag
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
