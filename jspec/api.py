@@ -15,6 +15,8 @@ from jspec import parallel
 from jspec.decode import ar, spec
 from jspec.drafters import Drafter, family
 from jspec.io.models import load_model
+from jspec.kernels import resolve as resolve_kernels
+from jspec.models import quant
 from jspec.models.config import ModelConfig
 from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
@@ -149,8 +151,8 @@ def generate(
     verify_budget: None, "profile" (time the target's verify pass now and build the table), or a
     steps-per-second table (see jspec.decode.spec.SpecConfig.sps): the non-anticipating DSpark budget,
     for drafters that report confidences.
-    kernels: "reference", "pallas" or "auto" (jspec.kernels) for the DFlash/DSpark draft layers and the
-    target's attention in decode and verify passes (plain decoding too); None keeps a Drafter
+    kernels: "reference", "pallas" or "auto" (jspec.kernels) for the DFlash/DSpark draft layers, the
+    target's attention in decode and verify passes (plain decoding too) and a Q4 target's matmuls; None keeps a Drafter
     instance's own setting and the reference attention.
     seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
     (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
@@ -184,6 +186,8 @@ def generate(
                            attention=kernels or "reference")
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
     params, fetch = target.params, jax.device_get
+    if kernels is not None and quant.has_q4(params):  # Q4 matmuls: the Pallas kernel or the XLA reference
+        params = quant.with_kernel(params, resolve_kernels(kernels))
     if mesh is not None:
         params = parallel.place_target(target, mesh).params
         args = parallel.shard_batch((packed, lens, seeds.astype(np.uint32)), mesh)

@@ -5,6 +5,7 @@
                    [--drafter none|lookup|PATH] [--verifier greedy|speculative|block|gumbel]
                    [--block-size G] [--tree-budget N] [--mesh data=D,fsdp=F,model=M]
     jspec train    target|FAMILY --config JSON --out RUN_DIR [--mesh data=D,fsdp=F,model=M]
+    jspec convert  SRC OUT --q4 [--dtype bfloat16|float32]
     jspec demo     create a small random model in HF format, reload it and generate
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     from jspec.verify import rules
 
     parser = argparse.ArgumentParser(prog="jspec", description="Lossless speculative decoding in JAX")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback instead of one `jspec: error:` message")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from a target checkpoint")
@@ -100,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="create a small random model in HF format, reload it and generate")
     demo.add_argument("--out", default="demo_out/model", help="where to write the demo checkpoint")
     demo.add_argument("--max-new-tokens", type=int, default=48)
+
+    conv = sub.add_parser("convert", help="rewrite a checkpoint in another format: --q4 quantizes a float target "
+                                          "to affine Q4 group-64 weights (the MLX layout)")
+    conv.add_argument("src", help="float HF checkpoint folder (dense or hybrid target)")
+    conv.add_argument("out", help="folder to write (config.json, model.safetensors, tokenizer files)")
+    conv.add_argument("--q4", action="store_true", help="quantize every matrix whose input dimension is a multiple "
+                                                        "of 64 (embeddings and LM head included); norms stay float")
+    conv.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                      help="dtype of the scales, biases and float tensors (default: the source's)")
     return parser
 
 
@@ -213,6 +226,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from jspec.api import resolve_path
+    from jspec.io.q4 import convert_q4
+
+    if not args.q4:
+        raise ValueError("jspec convert needs a target format: --q4 (affine Q4 group-64 weights)")
+    src = resolve_path(args.src)
+    if os.path.abspath(src) == os.path.abspath(args.out):
+        raise ValueError(f"convert {src!r} into a different folder (OUT is the source)")
+    info = convert_q4(src, args.out, args.dtype)
+    print(f"wrote {args.out}: {info['quantized']} matrices in Q4, {info['float']} float tensors, "
+          f"{info['bytes'] / 1e6:.2f} MB (float source {info['source_bytes'] / 1e6:.2f} MB)")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from jspec.bench.cli import main as bench_main
 
@@ -224,11 +252,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args) -> int:
-    """Run parsed `jspec` arguments; a ValueError or a missing file is reported as an error, exit code 2."""
+    """Run parsed `jspec` arguments. jspec's own errors (`jspec.errors.JspecError`: damaged checkpoints, a
+    diverged training run, ...), bad values (ValueError) and file errors (OSError: a missing file, a full
+    disk, ...) are reported as one `jspec: error: ...` message, exit code 2; `jspec --debug` re-raises
+    them, showing the traceback."""
+    import errno
+
+    from jspec.errors import JspecError
+
     try:
-        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
-    except (ValueError, FileNotFoundError) as err:  # bad input, missing files, a diverged training run
-        print(f"jspec: error: {err}", file=sys.stderr)
+        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo,
+                "convert": cmd_convert}[args.command](args)
+    except (JspecError, ValueError, FileNotFoundError, OSError) as err:  # bad input, damaged or missing files
+        if getattr(args, "debug", False):
+            raise
+        message = str(err)
+        if isinstance(err, OSError) and err.strerror and err.filename:  # e.g. "[Errno 28] ...: 'path'"
+            message = f"{err.strerror}: {err.filename}"
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                message += " (the disk is full: free some space, or write somewhere else)"
+        print(f"jspec: error: {message or type(err).__name__}", file=sys.stderr)
         return 2
 
 

@@ -111,8 +111,10 @@ def kv_row_bytes(cfg, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
-    """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes."""
+def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", q4: bool = False):
+    """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes. q4: the
+    target's matrices (embedding and LM head included) in affine Q4 group-64 form, multiplied by the
+    Q4 matmul that `kernels` names (jspec.models.quant)."""
     import jax
     import jax.numpy as jnp
 
@@ -125,6 +127,11 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference"):
     dev = devices.aot_device(chip)
     dtype = jnp.bfloat16
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
+    if q4:
+        from jspec.models import quant
+        from jspec.models import target as tm
+
+        params = quant.with_kernel(quant.quantize_tree(params, tm.declarations(cfg)), kernels)
     sampling, verifier = _sampling(case.verifier)
     b = case.batch
     cache_size = case.context
@@ -247,7 +254,8 @@ def _slug(case: Case) -> str:
     return case.label.replace(" ", "-")
 
 
-def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_dir: str | None = None) -> dict:
+def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_dir: str | None = None,
+            q4: bool = False) -> dict:
     """One table row: bytes per round by class, ideal bytes, fraction, kernels, memory, pass/fail. With
     `dump_dir` (or $JSPEC_AOT_DUMP), the optimized HLO and the sizes are saved there, to be scored
     again without compiling (`python -m jspec.aot.bench --rescore DIR`)."""
@@ -256,13 +264,13 @@ def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_
 
     from jspec.aot import hlo_bytes
 
-    compiled, info = compile_case(chip, shape, case, kernels)
+    compiled, info = compile_case(chip, shape, case, kernels, q4)
     text = compiled.as_text()
     mem = hlo_bytes.memory_stats(compiled)
     dump_dir = dump_dir or os.environ.get("JSPEC_AOT_DUMP")
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
-        stem = os.path.join(dump_dir, f"{chip}_{shape}_{_slug(case)}")
+        stem = os.path.join(dump_dir, f"{chip}_{shape}{'_q4' if q4 else ''}_{_slug(case)}")
         with gzip.open(stem + ".hlo.gz", "wt") as f:
             f.write(text)
         with open(stem + ".json", "w") as f:
@@ -319,19 +327,21 @@ def table(rows: list[dict]) -> str:
 
 
 def run(chip: str, shape: str, selected: list[Case], json_path: str | None = None, kernels: str = "reference",
-        out=sys.stdout) -> list[dict]:
+        out=sys.stdout, q4: bool = False) -> list[dict]:
     """Measure every case, print the table (and each row as it completes, to stderr), write JSON."""
     devices.check_chip(chip)
     if shape not in shapes():
         raise ValueError(f"unknown shape {shape!r} for --aot: choose one of {', '.join(shapes())}")
     rows = []
     for case in selected:
-        row = measure(chip, shape, case, kernels)
+        row = measure(chip, shape, case, kernels, q4=q4)
+        row["q4"] = q4
         rows.append(row)
         print(f"[{chip}] {case.label}: {_gb(row['bytes']['total'])} GB/round, ratio {row['ratio']:.3f}, "
               f"compiled in {row['compile_s']:.0f} s", file=sys.stderr, flush=True)
     unknown = sorted({t for r in rows for t in r["bytes"]["unknown_trips"]})
-    print(f"\n{chip} ({devices.aot_device(chip).device_kind}), shape {shape}, bf16; bytes per decode round in GB; "
+    print(f"\n{chip} ({devices.aot_device(chip).device_kind}), shape {shape}, "
+          f"{'Q4 target (bf16 scales, activations), bf16 drafter' if q4 else 'bf16'}; bytes per decode round in GB; "
           f"kernels = launches per round; temp/output/cache/peak = device memory (GB)", file=out)
     print(LEGEND, file=out)
     print(table(rows), file=out)

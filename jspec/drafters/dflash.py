@@ -39,7 +39,7 @@ from jspec.io.drafters import read_config, required, stack_config, stack_hf, wri
 from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
-from jspec.models import layers, transformer
+from jspec.models import layers, quant, transformer
 from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
@@ -159,7 +159,7 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     if use_pallas(kernels):
         return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
-    h = embed[block_tokens]  # [B, A, W, D]
+    h = quant.embed_rows(embed, block_tokens)  # [B, A, W, D]
     for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
         h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc,
                                         kv_chunk)

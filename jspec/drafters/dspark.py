@@ -37,7 +37,7 @@ from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState, 
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
 from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
-from jspec.models import transformer
+from jspec.models import quant, transformer
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
 from jspec.train import losses
@@ -139,9 +139,9 @@ def init_params(cfg: DSparkConfig, key: jax.Array, target_params: dict, dtype=jn
     """Random backbone and heads; embedding and LM head copied from the target (frozen)."""
     params = transformer.from_linen(unbox(init_tree(_net(cfg, init_std=std, param_dtype=dtype), DSparkNet.declare,
                                                     key))["params"])
-    embed = target_params["embed"]
-    params["embed"] = embed.astype(dtype)
-    params["lm_head"] = target_params.get("lm_head", embed).astype(dtype)
+    embed = target_params["embed"]  # a Q4 target's are dequantized: the drafter's own copies are float
+    params["embed"] = quant.dense(embed).astype(dtype)
+    params["lm_head"] = quant.dense(target_params.get("lm_head", embed)).astype(dtype)
     return params
 
 

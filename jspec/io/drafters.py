@@ -11,6 +11,7 @@ import os
 
 from safetensors.numpy import save_file
 
+from jspec.io.files import read_json_object
 from jspec.io.hf import CheckpointError
 from jspec.models.config import ModelConfig
 
@@ -19,8 +20,7 @@ def read_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {path!r}: pass a drafter checkpoint directory")
-    with open(cfg_path) as f:
-        return json.load(f)
+    return read_json_object(cfg_path)
 
 
 def required(hf: dict, *names: str, where: str) -> list:

@@ -158,11 +158,13 @@ def _pattern_hints(cfg: HybridConfig, names: set[str], prefix: str) -> list[str]
     return hints
 
 
-def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | None = None) -> tuple[HybridConfig, dict]:
+def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | None = None,
+                       check_values: bool = True) -> tuple[HybridConfig, dict]:
     """Load `config.json` + safetensors into a jspec hybrid parameter pytree of `dtype`.
 
-    Raises CheckpointError naming every missing, unexpected and misshapen tensor (a config whose layer
-    pattern, head counts or conv kernel disagree with the tensors fails here, before any compute).
+    Raises CheckpointError naming every missing, unexpected, misshapen and mistyped tensor (a config whose
+    layer pattern, head counts or conv kernel disagree with the tensors fails here, before any compute),
+    then every tensor holding NaN / inf (check_values=False or JSPEC_SKIP_VALUE_CHECK=1 skip that scan).
     """
     cfg = cfg or load_hybrid_config(model_dir)
     found = {n: t for n, t in read_safetensors(model_dir).items() if not n.startswith(KNOWN_EXTRAS)}
@@ -175,7 +177,7 @@ def load_hybrid_params(model_dir: str, dtype=jnp.float32, cfg: HybridConfig | No
     hints = [f"layer pattern: {h}" for h in _pattern_hints(cfg, set(found), prefix)]
     check_tensors(found, expected, f"checkpoint {model_dir!r} ({cfg.family}, {cfg.num_layers} layers, prefix {prefix!r})",
                   "point at the matching checkpoint, or correct layer_types / head counts / linear_conv_kernel_dim "
-                  "in config.json", allowed, hints)
+                  "in config.json", allowed, hints, check_values=check_values)
 
     dt = np_dtype(dtype)
     get = lambda name: np.asarray(found[_rename(name, prefix)])

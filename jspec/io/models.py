@@ -4,15 +4,16 @@ through them."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax.numpy as jnp
 
+from jspec.io import q4
+from jspec.io.files import read_json_object
 from jspec.io.hf import load_params, save_params
 from jspec.io.hf_hybrid import load_hybrid_params, save_hybrid_params
 from jspec.io.tokenizer import load_tokenizer
-from jspec.models import config, hybrid
+from jspec.models import config, hybrid, quant
 
 
 def is_causal_lm(hf: dict) -> bool:
@@ -26,13 +27,14 @@ def is_causal_lm(hf: dict) -> bool:
 
 
 def load_model(path: str, dtype=jnp.float32):
-    """(config, parameters, tokenizer or None) of an HF model folder; the tokenizer must fit the model."""
+    """(config, parameters, tokenizer or None) of an HF model folder (float, or affine Q4 group-64 in the
+    MLX layout: `jspec.io.q4`); the tokenizer must fit the model."""
     cfg_path = os.path.join(path, "config.json")
-    model_type = None
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            model_type = json.load(f).get("model_type")
-    if model_type in hybrid.SUPPORTED_ARCHITECTURES:
+    hf_config = read_json_object(cfg_path) if os.path.exists(cfg_path) else {}
+    model_type = hf_config.get("model_type")
+    if q4.q4_settings(hf_config, path) is not None:
+        cfg, params = q4.load_q4_params(path, hf_config, dtype=dtype)
+    elif model_type in hybrid.SUPPORTED_ARCHITECTURES:
         cfg, params = load_hybrid_params(path, dtype=dtype)
     else:
         cfg, params = load_params(path, dtype=dtype)
@@ -47,4 +49,7 @@ def load_model(path: str, dtype=jnp.float32):
 
 def save_model(path: str, cfg, params: dict, dtype=None) -> None:
     """config.json + model.safetensors that `load_model` (and transformers) read back."""
+    if quant.has_q4(params):
+        raise ValueError("save_model writes float checkpoints and these parameters hold Q4 matrices: save the float "
+                         "model and quantize it with `jspec convert SRC OUT --q4`")
     (save_hybrid_params if isinstance(cfg, hybrid.HybridConfig) else save_params)(path, cfg, params, dtype=dtype)

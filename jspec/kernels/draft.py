@@ -61,6 +61,7 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
+from jspec.models import quant
 from jspec.models.attention import empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
@@ -167,7 +168,7 @@ def draft_stack(params: dict, cfg: ModelConfig, embed: jax.Array, ctx_k: jax.Arr
 
     params: the drafter's parameters (per-layer `layers`, `norm`); cfg: its layer stack's config;
     ctx_k / ctx_v per layer [B, S, Hkv * Dh]; block_tokens [B, A, W]; options: as `draft_layer`."""
-    h = embed[block_tokens]
+    h = quant.embed_rows(embed, block_tokens)
     for i, lp in enumerate(params["layers"]):
         h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg, **options)
     return rms_norm(h, params["norm"], cfg.rms_norm_eps)

@@ -3,15 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
+
+from jspec.errors import CheckpointError
+from jspec.io.files import read_json_object
 
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM",),
     "qwen3": ("Qwen3ForCausalLM",),
 }
+
+
+# Fields a config.json must give (every other one has a default).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def require_fields(hf: dict, names) -> None:
+    """CheckpointError naming every required field that is absent, null, or not a positive integer."""
+    missing = [n for n in names if hf.get(n) is None]
+    if missing:
+        many = len(missing) > 1
+        raise CheckpointError(f"missing required field{'s' * many} {', '.join(repr(n) for n in missing)} (the "
+                              f"Hugging Face config.json of a model gives {'them' if many else 'it'})")
+    bad = [f"{n}={hf[n]!r}" for n in names if isinstance(hf[n], bool) or not isinstance(hf[n], int) or hf[n] < 1]
+    if bad:
+        raise CheckpointError(f"{', '.join(bad)}: {'each ' * (len(bad) > 1)}must be a positive integer")
+
+
+def config_from_file(cls, path: str):
+    """`cls.from_hf_dict` of the JSON object in `path`; its errors name the file."""
+    hf = read_json_object(path)
+    try:
+        return cls.from_hf_dict(hf)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +134,7 @@ class ModelConfig:
                 f"unsupported architecture {unsupported} for model_type {family!r}; "
                 f"expected {list(SUPPORTED_ARCHITECTURES[family])}"
             )
+        require_fields(hf, REQUIRED_FIELDS)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}: jspec implements SwiGLU (silu) MLPs")
@@ -164,8 +192,8 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        """The config of a config.json; CheckpointError naming the file when it is damaged or unusable."""
+        return config_from_file(cls, path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         arch = SUPPORTED_ARCHITECTURES[self.family][0]

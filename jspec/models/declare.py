@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from flax import struct
 from flax.core import meta
 
+from jspec.models import quant
+
 
 class Declared(nn.LogicallyPartitioned):
     """A parameter's value with its logical axes (`names`), HF tensor name and orientation."""
@@ -60,6 +62,12 @@ def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
             value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         return Declared(value, tuple(axes), hf=hf, transpose=transpose)
 
+    if module.has_variable("params", name):
+        given = module.get_variable("params", name)
+        if quant.is_q4(given):  # a quantized matrix stands for the declared float one (its three arrays differ)
+            if given.shape != tuple(shape):
+                raise ValueError(f"quantized parameter {name!r} stands for a {given.shape} matrix, declared {tuple(shape)}")
+            return given
     return module.param(name, make)
 
 

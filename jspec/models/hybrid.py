@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -58,8 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models import gdn
+from jspec.models import gdn, quant
 from jspec.models.attention import attend, write_rows
+from jspec.models.config import REQUIRED_FIELDS, config_from_file, require_fields
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
 from jspec.models.layers import linear, lm_logits, rope, swiglu, zc_rms_norm
 from jspec.models.transformer import from_linen, to_linen
@@ -191,6 +191,7 @@ class HybridConfig:
             if not isinstance(hf.get("text_config"), dict):
                 raise ValueError("model_type qwen3_5 config.json has no text_config section")
             hf = {**hf["text_config"]}
+        require_fields(hf, REQUIRED_FIELDS)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}: jspec implements SwiGLU (silu) MLPs")
@@ -249,8 +250,8 @@ class HybridConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "HybridConfig":
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        """The config of a config.json; CheckpointError naming the file when it is damaged or unusable."""
+        return config_from_file(cls, path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json for Qwen3NextForCausalLM, or Qwen3_5ForCausalLM (model_type qwen3_5_text)."""
@@ -507,6 +508,7 @@ def _moe(cfg: HybridConfig, lp, x):
     """
     b, t, d = x.shape
     e, top = cfg.num_experts, cfg.num_experts_per_tok
+    dense = quant.dense  # quantized expert stacks: the selected (or all) experts dequantized
     xf = x.reshape(b * t, d)
     logits = linear(xf, lp["router"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -515,20 +517,20 @@ def _moe(cfg: HybridConfig, lp, x):
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     weight = weight.astype(logits.dtype)
     if b * t * top < e:
-        hidden = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", xf, lp["e_gate"][idx])) * jnp.einsum(
-            "nd,nkfd->nkf", xf, lp["e_up"][idx])
-        out = jnp.einsum("nkf,nkdf,nk->nd", hidden, lp["e_down"][idx], weight)
+        hidden = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", xf, dense(lp["e_gate"][idx]))) * jnp.einsum(
+            "nd,nkfd->nkf", xf, dense(lp["e_up"][idx]))
+        out = jnp.einsum("nkf,nkdf,nk->nd", hidden, dense(lp["e_down"][idx]), weight)
     else:
         # Batched over the experts, so that each expert's matrices are read as stored: with E a free
         # dimension of the gate / up products, or [E, D, Fe] contracted over E and Fe together (the
         # routing weights applied first), XLA:CPU can transpose whole stacks first.
         combine = jnp.zeros((b * t, e), weight.dtype).at[jnp.arange(b * t)[:, None], idx].set(weight)
         xe = jnp.broadcast_to(xf, (e,) + xf.shape)
-        hidden = jax.nn.silu(jnp.einsum("end,efd->enf", xe, lp["e_gate"])) * jnp.einsum("end,efd->enf", xe,
-                                                                                         lp["e_up"])
-        out = jnp.einsum("end,ne->nd", jnp.einsum("enf,edf->end", hidden, lp["e_down"]), combine)
+        hidden = jax.nn.silu(jnp.einsum("end,efd->enf", xe, dense(lp["e_gate"]))) * jnp.einsum("end,efd->enf", xe,
+                                                                                         dense(lp["e_up"]))
+        out = jnp.einsum("end,ne->nd", jnp.einsum("enf,edf->end", hidden, dense(lp["e_down"])), combine)
     # The shared expert's gate is one output row: a product and a sum (as a matmul XLA:CPU copies it).
-    gate = jax.nn.sigmoid(jnp.sum(xf * lp["shared_gate"][0], axis=-1, keepdims=True))
+    gate = jax.nn.sigmoid(jnp.sum(xf * dense(lp["shared_gate"])[0], axis=-1, keepdims=True))
     shared = swiglu(xf, lp["s_gate"], lp["s_up"], lp["s_down"]) * gate
     return (out + shared).reshape(b, t, d)
 
@@ -712,7 +714,7 @@ class HybridModel(nn.Module):
 
     def __call__(self, tokens, cache: HybridCache, ps: PassInputs, taps: tuple[int, ...]) -> HybridForwardOut:
         cfg = self.cfg
-        h = self.embed[tokens]
+        h = quant.embed_rows(self.embed, tokens)
         k, v, conv, ssm = (list(x) for x in (cache.k, cache.v, cache.conv, cache.ssm))
         windows, states, outputs = [], [], []
         for i, (layer, j) in enumerate(zip(self.layers.layers, cfg.slots, strict=True)):

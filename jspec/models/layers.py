@@ -1,15 +1,18 @@
 """Layer primitives shared by the models (`transformer`, `hybrid`, the drafters) and the kernels'
 pure-jnp references (`jspec.kernels`): norms, projections, RoPE, the SwiGLU MLP and the LM head.
 
-Plain functions of arrays, with no parameter declarations and no imports from the rest of jspec, so
-that every module computing a layer can import them. Weight matrices are stored [out, in], as HF
-stores them (`linear` says why).
+Plain functions of arrays, with no parameter declarations and no imports from the rest of jspec but
+the leaf module `quant`, so that every module computing a layer can import them. Weight matrices are
+stored [out, in], as HF stores them (`linear` says why); any of them may be an affine Q4 matrix
+(`jspec.models.quant.Q4`), which `linear` and `lm_logits` multiply through its matmul.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jspec.models import quant
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -35,6 +38,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     torch's `linear`); XLA:TPU and XLA:GPU contract either orientation without a copy (checked by the
     deviceless `--aot` compiles). It also makes HF loading a plain read, no transpose.
     """
+    if quant.is_q4(w):
+        return quant.matmul(x, w)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
@@ -75,4 +80,6 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 def lm_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
     """LM head: final-normed hidden [..., D] times head [V, D] (the LM head matrix, or the embedding
     when tied) -> float32 logits [..., V]."""
+    if quant.is_q4(head):
+        return quant.matmul(hidden, head, preferred_element_type=jnp.float32)
     return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)

@@ -34,6 +34,7 @@ import numpy as np
 
 from jspec import kernels
 from jspec.kernels.tree import layer_attention
+from jspec.models import quant
 from jspec.models.attention import KV_CHUNK, attend, write_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, shapes, unbox
@@ -247,7 +248,7 @@ class Transformer(nn.Module):
                  attention: str, kv_chunk: int | None) -> ForwardOut:
         cfg = self.cfg
         inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
-        h = self.embed[tokens]
+        h = quant.embed_rows(self.embed, tokens)
         ks, vs, outputs = [], [], []
         for layer, k, v, window in zip(self.layers.layers, cache.k, cache.v, cfg.windows, strict=True):
             h, k, v = layer(h, k, v, window, positions, cache_rows, ctx_len, tree_mask, attention, kv_chunk, inv_freq)

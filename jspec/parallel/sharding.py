@@ -110,7 +110,10 @@ def param_shardings(params, mesh: Mesh, rules: ShardingRules = RULES, head_dim: 
         declared = {_path_key(path): tuple(ax) for path, ax in flat}
 
     def one(path, leaf):
-        logical = declared.get(_path_key(path), ())
+        key = _path_key(path)
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey):  # codes / scales / biases of a Q4 matrix
+            key = key[:-1]  # take the matrix's axes (each part is [out, in / 8 or in / 64])
+        logical = declared.get(key, ())
         return NamedSharding(mesh, spec_for(np.shape(leaf), logical, mesh, rules, head_dim))
 
     return jax.tree_util.tree_map_with_path(one, params)

@@ -18,6 +18,8 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jspec.errors import CorpusError
+
 VALIDATION_FRACTION = 0.05
 
 
@@ -38,7 +40,25 @@ def corpus_files(root: str, pattern: str = "**/*.py", exclude: tuple[str, ...] =
             files.append(path)
     if not files:
         raise ValueError(f"corpus folder {root!r} has no files matching {pattern!r}: nothing to train on")
+    check_text_files(root, files, pattern)
     return files
+
+
+def check_text_files(root: str, files: list[str], pattern: str) -> None:
+    """CorpusError naming the files that are not UTF-8 text (binary files would train on garbage)."""
+    bad = []
+    for path in files:
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad.append(f"{os.path.relpath(path, root)} (byte {err.start}: {err.reason})")
+    if bad:
+        raise CorpusError(
+            f"corpus folder {root!r}: {len(bad)} of {len(files)} files matching {pattern!r} are not UTF-8 text: "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; jspec trains on text files: choose a pattern "
+            "that matches only text, or remove the binary files")
 
 
 def is_validation(rel_path: str, fraction: float = VALIDATION_FRACTION) -> bool:
@@ -79,7 +99,7 @@ class TextCorpus(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self, files):
         for path in files:
             rel = os.path.relpath(path, self._corpus_root)
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, encoding="utf-8") as f:  # checked to be UTF-8 by corpus_files
                 yield rel, {"path": rel, "text": f.read()}
 
 

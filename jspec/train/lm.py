@@ -9,7 +9,6 @@ Writes the run (checkpoints, metrics.jsonl) under --out and the trained model in
 
 from __future__ import annotations
 
-import json
 import os
 
 import grain
@@ -18,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import parallel
+from jspec.errors import ConfigError
+from jspec.io.files import read_json_object
 from jspec.io.hf import save_params
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
@@ -56,8 +57,7 @@ def lm_loss(params, cfg: ModelConfig, batch: jax.Array):
 def load_run_config(path: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no training config at {path!r}: see configs/ for examples")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path, error=ConfigError)
 
 
 def corpus_root(spec: str) -> str:

@@ -23,6 +23,8 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from jspec.errors import JspecError
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -51,7 +53,7 @@ class TrainConfig:
                              "0 <= warmup_frac < 1, clip > 0, weight_decay >= 0")
 
 
-class TrainingDiverged(ValueError):
+class TrainingDiverged(JspecError, ValueError):
     """The loss or the gradient norm became NaN / inf; the run stopped without saving that state."""
 
 
