@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from collections.abc import Sequence
@@ -14,9 +15,11 @@ import numpy as np
 from jspec import parallel
 from jspec.decode import ar, spec
 from jspec.drafters import Drafter, family
+from jspec.errors import JspecError
 from jspec.io.models import load_model
 from jspec.kernels import resolve as resolve_kernels
 from jspec.models import quant
+from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
@@ -38,6 +41,11 @@ class Target:
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+
+class RequestError(JspecError, ValueError):
+    """A `generate` request cannot run as asked (prompts, lengths, cache, seeds, EOS ids, drafter shape):
+    raised on the host, before anything is compiled, naming the value and the fix."""
 
 
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
@@ -75,20 +83,66 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _is_int(t) -> bool:
+    """A Python or numpy integer (or a 0-d integer array); bools are not token ids."""
+    if isinstance(t, (bool, np.bool_)):
+        return False
+    if isinstance(t, numbers.Integral):
+        return True
+    return getattr(t, "ndim", None) == 0 and np.dtype(getattr(t, "dtype", object)).kind in "iu"
+
+
+def _prompt_ids(i: int, p, vocab_size: int) -> list[int]:
+    """Prompt i as a list of Python ints in [0, vocab_size); RequestError naming the problem otherwise."""
+    if isinstance(p, (str, bytes)):
+        raise RequestError(f"prompt {i} is text ({p[:40]!r}), not token ids: encode it first, "
+                           "generate(target, [target.encode(text)])")
+    if hasattr(p, "dtype") and hasattr(p, "shape"):  # a numpy / jax array
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise RequestError(f"prompt {i} is an array of shape {a.shape}: each prompt is a 1-D sequence of token ids")
+        if a.size and a.dtype.kind not in "iu":
+            raise RequestError(f"prompt {i} holds {a.dtype} values, not integer token ids: {a[:8].tolist()}; pass "
+                               "integer ids (they are never rounded or truncated)")
+        ids = a.tolist()
+    else:
+        try:
+            ids = list(p)
+        except TypeError:
+            raise RequestError(f"prompt {i} is {p!r}, not a sequence of token ids: pass a list of prompts, each a "
+                               "list of ids, e.g. [[1, 2, 3]]") from None
+        bad = [t for t in ids if not _is_int(t)]
+        if bad:
+            raise RequestError(f"prompt {i} has ids that are not integers: {bad[:8]}; token ids are ints (numpy "
+                               "integers are fine; floats and bools are refused, never truncated)")
+        ids = [int(t) for t in ids]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}; "
+                           "check that the prompt was tokenized for this model")
+    return ids
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad prompts into [B, P] (P a multiple of `bucket`, so similar lengths share a compile)."""
+    """Right-pad prompts into [B, P] (P a multiple of `bucket`, so similar lengths share a compile).
+    prompts: a list of prompts, each a sequence (or 1-D array) of integer token ids in [0, vocab_size)."""
+    if isinstance(prompts, (str, bytes)):
+        raise RequestError(f"the prompts are text ({prompts[:40]!r}), not token ids: pass a list of encoded prompts, "
+                           "generate(target, [target.encode(text)])")
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise RequestError(f"prompts is {prompts!r}: pass a list of prompts, each a list of token ids, "
+                           "e.g. [[1, 2, 3]]") from None
     if len(prompts) == 0:
-        raise ValueError("no prompts given: pass at least one prompt")
+        raise RequestError("no prompts given: pass at least one prompt")
+    if _is_int(prompts[0]):
+        raise RequestError(f"the prompts are one flat list of {len(prompts)} token ids ({prompts[:4]}...); generate "
+                           "takes a list of prompts: wrap one prompt in a list, e.g. [[1, 2, 3]] ([ids])")
+    prompts = [_prompt_ids(i, p, vocab_size) for i, p in enumerate(prompts)]
     lens = np.array([len(p) for p in prompts], np.int32)
     if lens.min() < 1:
-        raise ValueError(f"prompt {int(lens.argmin())} is empty: every prompt needs at least one token")
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not (0 <= int(t) < vocab_size)]
-        if bad:
-            raise ValueError(
-                f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}; "
-                "check that the prompt was tokenized for this model"
-            )
+        raise RequestError(f"prompt {int(lens.argmin())} is empty: every prompt needs at least one token")
     packed = np.zeros((len(prompts), _round_up(int(lens.max()), bucket)), np.int32)
     for i, p in enumerate(prompts):
         packed[i, : len(p)] = np.asarray(p, np.int32)
@@ -99,31 +153,57 @@ def default_cache_size(max_prompt: int, max_new_tokens: int, bucket: int = 64) -
     return _round_up(max_prompt + max_new_tokens, bucket)
 
 
-def load_drafter(spec_or_path, target: Target, *, block_size: int = 4, tree_budget: int = 0):
+DEFAULT_BLOCK_SIZE = 4  # draft tokens per round of a drafter that takes any block size, when none is asked for
+
+
+def load_drafter(spec_or_path, target: Target, *, block_size: int | None = None, tree_budget: int = 0):
     """A drafter and its parameters, at this draft shape (`Family.with_shape`), from:
     - a registered family's name for parameter-free drafters ("lookup");
     - a checkpoint folder or "builtin:NAME": the one registered family whose `detect` accepts its
       config.json loads it (z-lab DFlash, DeepSpec DSpark, a small HF causal LM sharing the target's
       tokenizer, or any family registered with jspec.drafters.register_family);
     - a Drafter instance (no parameters) or a (Drafter, params) pair, used as given.
-    Checkpoint drafters whose block size is fixed by training keep it; tree_budget > 0 drafts trees."""
+    block_size: draft tokens per round of a chain; None = the drafter's own (DEFAULT_BLOCK_SIZE for drafters
+    that take any). A checkpoint whose block is fixed by training (DFlash, DSpark) drafts exactly that block,
+    and a different block_size is refused (RequestError naming the checkpoint's). tree_budget > 0 drafts trees."""
     if isinstance(spec_or_path, Drafter):
         return spec_or_path, ()
     if isinstance(spec_or_path, tuple):  # (Drafter, params)
         return spec_or_path
     if isinstance(spec_or_path, str) and spec_or_path in family.named():
         fam = family.get_family(spec_or_path)
-        return fam.with_shape(fam.lookup(target), block_size, tree_budget), ()
+        return _with_shape(fam, fam.lookup(target), block_size, tree_budget, spec_or_path), ()
     if isinstance(spec_or_path, str):
         path = resolve_path(spec_or_path)
         if os.path.isdir(path):
             fam = family.detect(path)
             dr, params = fam.load(path, target, target.params["embed"].dtype)
-            return fam.with_shape(dr, block_size, tree_budget), params
+            return _with_shape(fam, dr, block_size, tree_budget, spec_or_path), params
     raise ValueError(
         f"unknown drafter {spec_or_path!r}: use none, {', '.join(family.named())}, builtin:NAME, or the folder of a "
         "drafter checkpoint (families: " + ", ".join(f for f, fam in family.FAMILIES.items() if fam.detect) + ")"
     )
+
+
+def _with_shape(fam, dr, block_size: int | None, tree_budget: int, name: str):
+    """`fam.with_shape`, refusing a block size the family does not draft: with_shape may keep a block fixed by
+    training, so an asked-for chain of block_size drafts that comes back with another count was ignored."""
+    shaped = fam.with_shape(dr, DEFAULT_BLOCK_SIZE if block_size is None else block_size, tree_budget)
+    if block_size is None:
+        return shaped
+    chain = shaped if not tree_budget else fam.with_shape(dr, block_size, 0)
+    g = chain.num_drafts
+    trained = getattr(getattr(chain, "cfg", None), "block_size", None)  # DFlash / DSpark: the checkpoint's field
+    if block_size == g or (trained is not None and block_size == trained):
+        return shaped
+    detail = ""
+    if trained is not None:
+        counts = ", counting the anchor" if trained != g else ""
+        detail = (f" (block_size {trained} in its config{counts}): its block attends bidirectionally, so it drafts "
+                  "only the block it was trained for")
+    raise RequestError(f"the drafter {name} drafts a fixed block of {g} tokens per round{detail}; it cannot draft "
+                       f"block_size={block_size}: leave the block size unset (or pass {g}), or use a drafter "
+                       "trained for that block")
 
 
 def generate(
@@ -137,7 +217,7 @@ def generate(
     eos_ids: Sequence[int] | None = None,
     drafter=None,
     verifier: str | None = None,
-    block_size: int = 4,
+    block_size: int | None = None,
     tree_budget: int = 0,
     verify_budget=None,
     kernels: str | None = None,
@@ -154,8 +234,15 @@ def generate(
     kernels: "reference", "pallas" or "auto" (jspec.kernels) for the DFlash/DSpark draft layers, the
     target's attention in decode and verify passes (plain decoding too) and a Q4 target's matmuls; None keeps a Drafter
     instance's own setting and the reference attention.
-    seeds: one per prompt, or one int from which prompt i takes seed + i. Each row stops at EOS
-    (included in its output), at max_new_tokens, or when its buffer of cache_size tokens is full.
+    block_size: draft tokens per round of a chain (None: the drafter's own, see `load_drafter`).
+    seeds: one per prompt, or one int from which prompt i takes seed + i; each in [0, 2**32).
+    max_new_tokens: prompt + max_new_tokens must fit the model's max_position_embeddings (RequestError
+    otherwise). cache_size: text rows per prompt (default: longest prompt + max_new_tokens, rounded up);
+    at most max_position_embeddings, and a cache the device's memory cannot hold is refused.
+    Each row stops at EOS (included in its output), at max_new_tokens, or when its buffer of cache_size
+    tokens is full (an explicit cache_size smaller than prompt + max_new_tokens); stats["stopped_by"] says
+    which, per row: "eos", "max_new_tokens", "cache_full" or "context_limit" (the row filled the model's
+    max_position_embeddings). Every bad argument is a RequestError (a ValueError) raised before compiling.
     mesh: None (one device), or a jax.sharding.Mesh from jspec.parallel.make_mesh: the target and
     drafter parameters are placed by jspec.parallel's rules (tensor parallel over `model`), the batch
     over `data` x `fsdp` (the number of prompts must divide by it), and the same compiled loop runs
@@ -165,23 +252,47 @@ def generate(
     cfg = target.cfg
     if not isinstance(sampling, SamplingParams):
         raise TypeError("sampling must be a jspec SamplingParams")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     packed, lens = pack_prompts(prompts, cfg.vocab_size)
+    longest = int(lens.max())
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    _check_context(lens, max_new_tokens, max_pos)
+    explicit_cache = cache_size is not None
     if cache_size is None:
         cache_size = default_cache_size(packed.shape[1], max_new_tokens)
-    longest = int(lens.max())
+        if max_pos is not None:  # rows past the model's context can never be used
+            cache_size = max(packed.shape[1], min(cache_size, max_pos))
+    elif not _is_int(cache_size) or cache_size < 1:
+        raise RequestError(f"cache_size must be an integer >= 1 (rows per prompt), got {cache_size!r}: pass e.g. "
+                           f"{default_cache_size(packed.shape[1], max_new_tokens)}, or leave it unset")
+    cache_size = int(cache_size)
+    if explicit_cache and max_pos is not None and cache_size > max(max_pos, packed.shape[1]):
+        raise RequestError(f"cache_size {cache_size} is more than the model's max_position_embeddings {max_pos}: no "
+                           f"row can use the rows past {max_pos}; pass cache_size <= {max_pos}, or leave it unset")
     if longest >= cache_size or packed.shape[1] > cache_size:
-        raise ValueError(
+        raise RequestError(
             f"a prompt of {longest} tokens (padded to {packed.shape[1]}) does not fit a cache of {cache_size} rows "
             f"with room for a new token: raise cache_size or shorten the prompt"
         )
-    seeds = np.arange(len(prompts), dtype=np.int64) + seeds if isinstance(seeds, int) else np.asarray(seeds)
-    if seeds.shape != (len(prompts),):
-        raise ValueError(f"got {seeds.size} seeds for {len(prompts)} prompts: pass one seed per prompt or one int")
-    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+    seeds = _check_seeds(seeds, len(prompts))
+    if eos_ids is None:
+        eos = tuple(int(e) for e in cfg.eos_token_ids)
+    else:
+        eos = _check_eos(eos_ids, cfg.vocab_size)
     if kernels not in (None, "reference", "pallas", "auto"):
         raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
+    plain = drafter is None or drafter == "none"
+    if plain and verifier is not None and not rules.get_rule(verifier).plain_tokens:
+        raise RequestError(f"plain autoregressive decoding (no drafter) takes no verifier (got {verifier!r}): "
+                           "pass a drafter, or drop the verifier")
+    for name, value in (("tree budget", tree_budget), ("block size", block_size), ("verify budget", verify_budget)):
+        if plain and value is not None and value is not False and not (_is_int(value) and value == 0):
+            raise RequestError(f"plain autoregressive decoding (no drafter) takes no {name} (got {value!r}): "
+                               f"pass a drafter, or drop the {name}")
+    _check_given_drafter(drafter, block_size, tree_budget)
+    _check_cache_memory(target, len(prompts), ar.DecodeConfig(1, cache_size).cache_rows, cache_size, mesh)
     dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos,
                            attention=kernels or "reference")
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
@@ -193,9 +304,7 @@ def generate(
         args = parallel.shard_batch((packed, lens, seeds.astype(np.uint32)), mesh)
         fetch = parallel.to_host
 
-    if drafter is None or drafter == "none":
-        if (verifier is not None and not rules.get_rule(verifier).plain_tokens) or tree_budget:
-            raise ValueError("plain autoregressive decoding (no drafter) takes no verifier or tree budget")
+    if plain:
         start = time.perf_counter()
         state = ar.generate_ar(params, cfg, dcfg, *args)
         tokens, logprobs, length, steps = fetch((state.tokens, state.logprobs, state.length, state.steps))
@@ -226,8 +335,159 @@ def generate(
         }
     out_tokens = [tokens[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     out_logps = [logprobs[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
-    stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, **stats}
+    stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, **stats,
+             "stopped_by": stopped_by(tokens, lens, length, max_new_tokens, cache_size, eos, max_pos)}
     return GenerateResult(out_tokens, out_logps, stats)
+
+
+STOP_REASONS = ("eos", "max_new_tokens", "cache_full", "context_limit")
+
+
+def stopped_by(tokens, prompt_len, length, max_new_tokens: int, cache_size: int, eos_ids, max_pos=None) -> list[str]:
+    """Why each row stopped (one of STOP_REASONS), from the loop's host-side result: tokens [B, S], the prompt
+    lengths [B] and final lengths [B]. EOS wins when the last token is one; then max_new_tokens; a row that
+    stopped short of both filled its buffer: its cache (cache_full) or the model's context (context_limit)."""
+    tokens, prompt_len, length = np.asarray(tokens), np.asarray(prompt_len), np.asarray(length)
+    eos = {int(e) for e in eos_ids}
+    out = []
+    for row in range(len(length)):
+        n = int(length[row] - prompt_len[row])
+        if n > 0 and int(tokens[row, length[row] - 1]) in eos:
+            out.append("eos")
+        elif n >= max_new_tokens:
+            out.append("max_new_tokens")
+        elif max_pos is not None and length[row] >= max_pos and max_pos <= cache_size:
+            out.append("context_limit")
+        else:
+            out.append("cache_full")
+    return out
+
+
+def _check_given_drafter(drafter, block_size, tree_budget) -> None:
+    """A Drafter object (or (Drafter, params) pair) runs as given: refuse a block size / tree budget it does not
+    have rather than ignore it."""
+    dr = drafter[0] if isinstance(drafter, tuple) and drafter and isinstance(drafter[0], Drafter) else drafter
+    if not isinstance(dr, Drafter):
+        return
+    has = f"{dr.num_drafts}-node tree" if dr.kind == "tree" else f"chain of {dr.num_drafts} drafts"
+    asked = None
+    if _is_int(block_size) and (dr.kind != "chain" or dr.num_drafts != block_size):
+        asked = f"block_size={block_size}"
+    elif _is_int(tree_budget) and tree_budget and (dr.kind != "tree" or dr.num_drafts != tree_budget):
+        asked = f"tree_budget={tree_budget}"
+    if asked:
+        raise RequestError(f"the {type(dr).__name__} drafter object drafts a {has} and runs as given, so {asked} "
+                           "cannot reshape it: drop that argument, or build the drafter at that shape "
+                           "(jspec.drafters.family.family_of(drafter).with_shape(drafter, block_size, tree_budget))")
+
+
+def _check_context(lens: np.ndarray, max_new_tokens: int, max_pos: int | None) -> None:
+    """Refuse a prompt + max_new_tokens beyond the model's max_position_embeddings (naming both numbers)."""
+    if max_pos is None:
+        return
+    row = int(lens.argmax())
+    longest = int(lens[row])
+    if longest >= max_pos:
+        raise RequestError(f"prompt {row} has {longest} tokens, which leaves no room for a new token in the model's "
+                           f"max_position_embeddings of {max_pos}: shorten it to at most {max_pos - 1} tokens")
+    if longest + max_new_tokens > max_pos:
+        raise RequestError(f"prompt {row} ({longest} tokens) + max_new_tokens {max_new_tokens} = "
+                           f"{longest + max_new_tokens} positions, more than the model's max_position_embeddings "
+                           f"{max_pos}: lower max_new_tokens to at most {max_pos - longest}, or shorten the prompt")
+
+
+SEED_RANGE = 2**32
+
+
+def _check_seeds(seeds, batch: int) -> np.ndarray:
+    """One uint32 seed per prompt; seeds outside [0, 2**32) are refused, never wrapped."""
+    if _is_int(seeds):
+        seeds = int(seeds)
+        if not 0 <= seeds or seeds + batch - 1 >= SEED_RANGE:
+            last = f" (prompt i takes seed + i, up to {seeds + batch - 1})" if batch > 1 else ""
+            raise RequestError(f"seed {seeds}{last} is outside [0, 2**32) = [0, {SEED_RANGE}): pass a seed in "
+                               f"[0, {SEED_RANGE - batch}]")
+        return np.arange(seeds, seeds + batch, dtype=np.int64).astype(np.uint32)
+    if isinstance(seeds, (str, bytes)):
+        raise RequestError(f"seeds must be integers (one per prompt, or one int), got {seeds!r}")
+    if hasattr(seeds, "dtype") and hasattr(seeds, "shape"):
+        arr = np.asarray(seeds)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise RequestError(f"seeds must be integers, got {arr.dtype} values: {arr.reshape(-1)[:8].tolist()}")
+        seeds = arr.reshape(-1).tolist() if arr.ndim else [arr.item()]
+    try:
+        seeds = list(seeds)
+    except TypeError:
+        raise RequestError(f"seeds must be one int or one integer per prompt, got {seeds!r}") from None
+    bad = [s for s in seeds if not _is_int(s)]
+    if bad:
+        raise RequestError(f"seeds must be integers (never truncated), got {bad[:8]}")
+    if len(seeds) != batch:
+        raise RequestError(f"got {len(seeds)} seeds for {batch} prompts: pass one seed per prompt or one int")
+    out = [int(s) for s in seeds if not 0 <= int(s) < SEED_RANGE]
+    if out:
+        raise RequestError(f"seeds {out[:8]} are outside [0, 2**32) = [0, {SEED_RANGE}): each seed is a uint32; pass "
+                           "seeds in that range (they are never wrapped)")
+    return np.asarray([int(s) for s in seeds], np.uint32)
+
+
+def _check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """Explicit EOS ids: integers inside the vocabulary (an id the model cannot emit would never stop a row)."""
+    if _is_int(eos_ids) or isinstance(eos_ids, (str, bytes)):
+        raise RequestError(f"eos_ids must be a list of token ids, got {eos_ids!r}: pass e.g. [2], or [] for none")
+    try:
+        ids = list(np.asarray(eos_ids).reshape(-1).tolist() if hasattr(eos_ids, "dtype") else eos_ids)
+    except TypeError:
+        raise RequestError(f"eos_ids must be a list of token ids, got {eos_ids!r}") from None
+    bad = [e for e in ids if not _is_int(e)]
+    if bad:
+        raise RequestError(f"eos_ids must be integer token ids, got {bad[:8]}")
+    out = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
+    if out:
+        raise RequestError(f"eos_ids {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
+                           "them; pass ids the model can emit (e.g. tokenizer.token_to_id('</s>')), or [] for none")
+    return tuple(int(e) for e in ids)
+
+
+def _memory_bytes(mesh) -> tuple[int, str] | None:
+    """(bytes, what) of the memory a cache lives in: the device's (times the mesh's devices), or host RAM
+    for CPU devices; None when unknown."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # backends without memory statistics
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        n = len(devices)
+        kind = f"{n} x {devices[0].device_kind}" if n > 1 else devices[0].device_kind
+        return int(stats["bytes_limit"]) * n, f"{kind} device memory"
+    if devices[0].platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def _check_cache_memory(target: Target, batch: int, cache_rows: int, cache_size: int, mesh) -> None:
+    """Refuse a KV cache (and text buffers) that cannot fit the memory it would be allocated in, with the
+    numbers: KV bytes = layers x 2 (K, V) x KV heads x head_dim x itemsize x batch x rows."""
+    cfg = target.cfg
+    shapes = jax.eval_shape(lambda: tm.init_cache(cfg, batch, cache_rows, target.params["embed"].dtype))
+    kv = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(shapes))
+    need = kv + batch * cache_size * 8  # + the int32 tokens and float32 log-probs of the text buffer
+    have = _memory_bytes(mesh)
+    if have is None or need <= have[0]:
+        return
+    per = ""
+    if all(hasattr(cfg, f) for f in ("num_layers", "num_kv_heads", "head_dim")):
+        item = np.dtype(target.params["embed"].dtype).itemsize
+        per = (f" ({cfg.num_layers} layers x 2 x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x {item} bytes "
+               f"x batch {batch} x {cache_rows} rows)")
+    gib = 2**30
+    raise RequestError(f"the KV cache needs {need / gib:.1f} GiB{per}, more than the {have[0] / gib:.1f} GiB of "
+                       f"{have[1]}: lower max_new_tokens / cache_size ({cache_size} rows per prompt) or the "
+                       "batch")
 
 
 def _verify_budget(target, drafter, verify_budget, batch: int, cache_size: int):
@@ -267,9 +527,9 @@ def prepare_drafter(target, drafter, sampling, verifier, block_size, tree_budget
     tells the drafter how to propose (the rule's draft policy, the served sampling) every round.
     ValueError names any problem."""
     for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_int(value) and not (name == "block_size" and value is None):
             raise ValueError(f"{name} must be an integer, got {value!r}")
-    if block_size < 1:
+    if block_size is not None and block_size < 1:
         raise ValueError(f"block size must be >= 1 draft token, got {block_size}")
     if tree_budget < 0:
         raise ValueError(f"tree budget must be >= 0 nodes (0 = chain), got {tree_budget}")

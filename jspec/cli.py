@@ -7,6 +7,8 @@
     jspec train    target|FAMILY --config JSON --out RUN_DIR [--mesh data=D,fsdp=F,model=M]
     jspec convert  SRC OUT --q4 [--dtype bfloat16|float32]
     jspec demo     create a small random model in HF format, reload it and generate
+
+    jspec --debug COMMAND ...   show the traceback of an error instead of one `jspec: error:` line
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the checkpoint)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--cache-size", type=int, default=None, help="KV cache rows (default: prompt + new, rounded up)")
+    gen.add_argument("--cache-size", type=int, default=None,
+                     help="KV cache rows (default: prompt + new, rounded up); a smaller cache stops the row early, "
+                          "with a warning")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _sampling_args(gen)
@@ -77,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "without --target)")
     sp.add_argument("--verifier", default=None, choices=list(rules.RULES),
                     help="default: greedy at temperature 0, gumbel otherwise")
-    sp.add_argument("--block-size", type=int, default=4, help="draft tokens per round (chains)")
+    sp.add_argument("--block-size", type=int, default=None,
+                    help="draft tokens per round of a chain (default 4; a DFlash / DSpark checkpoint drafts the block "
+                         "it was trained for, and refuses another)")
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
     gen.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                      help="run on a device mesh of axes data, fsdp, model, e.g. model=4 (tensor parallel; one "
@@ -126,6 +132,8 @@ def cmd_generate(args) -> int:
 
     import jspec
 
+    if args.prompt is not None:
+        _check_utf8(args.prompt)
     mesh = _mesh(args)
     showcase = args.target is None
     target_path = args.target or "builtin:code-target"
@@ -138,26 +146,30 @@ def cmd_generate(args) -> int:
     else:
         prompt = target.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size,
-              mesh=mesh)
+              kernels=args.kernels, mesh=mesh)
+
     def run(d):
-        if d == "none":
+        """The request as asked (drafter none included: jspec.generate refuses the speculative arguments it
+        would ignore), or with d == "ar" the plain AR baseline of --compare."""
+        if d == "ar":
             return jspec.generate(target, [prompt], **kw)
         return jspec.generate(target, [prompt], drafter=d, verifier=args.verifier, block_size=args.block_size,
                               tree_budget=args.tree_budget, verify_budget="profile" if args.verify_budget else None,
-                              kernels=args.kernels, **kw)
+                              **kw)
 
     res = run(drafter)
     if compare:  # compile plain AR too, then time both side by side
-        run("none")
+        run("ar")
         t0 = time.perf_counter()
         res = run(drafter)
         spec_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ar_res = run("none")
+        ar_res = run("ar")
         ar_s = time.perf_counter() - t0
         if ar_res.tokens != res.tokens and sampling.greedy:
             raise RuntimeError("speculative and plain greedy outputs differ: please report this bug")
         res.stats.update(spec_wall_s=spec_s, ar_wall_s=ar_s, speedup=ar_s / spec_s)
+    _warn_if_cut_short(res, prompt, args, target.cfg)
     text = target.decode(res.tokens[0])
     if args.json:
         out = {"tokens": res.tokens[0], "stats": res.stats}
@@ -176,6 +188,38 @@ def cmd_generate(args) -> int:
         line += f", {st['wall_s']:.3f} s with compilation"
     print(line + "]", file=sys.stderr if not showcase else sys.stdout)
     return 0
+
+
+def _check_utf8(prompt: str) -> None:
+    """--prompt arrives as the argv bytes decoded with surrogateescape: invalid UTF-8 shows up as lone
+    surrogates, which no tokenizer takes. Name the byte instead."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = prompt.encode("utf-8", "surrogateescape")
+        try:
+            raw.decode("utf-8")
+            where = ""
+        except UnicodeDecodeError as err:
+            where = f" (byte {raw[err.start]:#04x} at offset {err.start}: {err.reason})"
+        raise ValueError(f"--prompt is not valid UTF-8 text{where}: pass UTF-8 text (e.g. convert it with iconv), "
+                         "or token ids with --prompt-ids") from None
+
+
+def _warn_if_cut_short(res, prompt, args, cfg) -> None:
+    """One stderr line when the row stopped before EOS and --max-new-tokens (a full cache or context)."""
+    why = res.stats["stopped_by"][0]
+    if why not in ("cache_full", "context_limit"):
+        return
+    n, need = len(res.tokens[0]), len(prompt) + args.max_new_tokens
+    if why == "cache_full":
+        cause = (f"the cache of {args.cache_size} rows is full (a prompt of {len(prompt)} tokens + --max-new-tokens "
+                 f"{args.max_new_tokens} needs {need}): raise --cache-size to at least {need}, or leave it unset")
+    else:
+        cause = (f"the model's context of {cfg.max_position_embeddings} positions is full: lower --max-new-tokens "
+                 "or shorten the prompt")
+    print(f"jspec: warning: generation stopped after {n} of {args.max_new_tokens} new tokens: {cause}",
+          file=sys.stderr)
 
 
 def cmd_train(args) -> int:

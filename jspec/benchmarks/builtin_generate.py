@@ -30,7 +30,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="drafts per round (default: each checkpoint's trained block)")
     ap.add_argument("--batch", type=int, default=4, choices=range(1, len(PROMPTS) + 1), help="prompts per call")
     ap.add_argument("--json", help="write the medians here")
     args = ap.parse_args(argv)

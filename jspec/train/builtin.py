@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jspec.api import BUILTIN_DIR
 from jspec.drafters import family
+from jspec.train.runfiles import replace_folder
 
 NAMES = ("code-target", "code-dflash", "code-dspark")
 
@@ -23,14 +24,15 @@ def install(src: str, name: str) -> str:
     """Re-save a trained model directory (the target LM or a drafter of any registered family) in
     bfloat16 under jspec/builtin/NAME, with its tokenizer.json when it has one."""
     dst = os.path.join(BUILTIN_DIR, name)
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
     fam = family.detect(src)
     drafter, params = fam.load(src, None, jnp.float32)
-    fam.save(dst, drafter, params, dtype=jnp.bfloat16)
-    if os.path.exists(os.path.join(src, "tokenizer.json")):
-        shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
-    return dst
+
+    def write(folder):  # a new folder that replaces the old one whole: never a half-installed model
+        fam.save(folder, drafter, params, dtype=jnp.bfloat16)
+        if os.path.exists(os.path.join(src, "tokenizer.json")):
+            shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+
+    return replace_folder(dst, write)
 
 
 def main(argv=None) -> None:

@@ -7,10 +7,17 @@ Any registered drafter family with a training recipe (jspec.drafters.family.Trai
 Drafters learn what the target actually says: prompts are cut from the training corpus, the target
 continues them with jspec's compiled generation (greedy and sampled halves), and the sequences are
 stored as a TFDS dataset; the drafter then trains on them with online target features.
+
+The run config is checked whole before anything runs: its fixed sections by jspec.train.runconfig, the
+drafter section by `build_drafter` (the keys the family's recipe reads, and the drafter it builds checked
+against the target exactly as generation checks it: `Drafter.validate`). The run holds --out for its
+duration, and the distilled data and the model folder are written whole or not at all.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 
 import jax
@@ -18,8 +25,10 @@ import numpy as np
 
 from jspec.api import generate, load_target
 from jspec.drafters import family
-from jspec.train import data, lm
+from jspec.errors import ConfigError
+from jspec.train import data, lm, losses, runfiles
 from jspec.train.drafter import DrafterLoss
+from jspec.train.runconfig import ReadKeys
 from jspec.train.trainer import TrainConfig, Trainer
 from jspec.verify.sampling import SamplingParams
 
@@ -54,32 +63,107 @@ def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, 
     for j, s in enumerate(seqs):
         tokens[j, : len(s)] = s
         lengths.append(len(s))
-    np.savez(out_path, tokens=tokens, length=np.asarray(lengths), prompt_len=np.asarray(plens))
-    return out_path
+
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file, not a name: np.savez would append .npz to the name
+            np.savez(f, tokens=tokens, length=np.asarray(lengths), prompt_len=np.asarray(plens))
+
+    return runfiles.atomic_file(out_path, write)
 
 
-def build_drafter(family_name: str, cfg: dict, target) -> tuple[object, dict]:
+LOSS_KEYS = ("loss", "num_anchors", "gamma")  # the drafter section's keys the run itself reads
+
+
+def drafter_loss(section: dict, where: str = "the run config") -> DrafterLoss:
+    """The training objective's settings from the drafter section (loss, num_anchors, gamma), checked."""
+    spec = DrafterLoss(name=section.get("loss", "ce"), num_anchors=section.get("num_anchors", 16),
+                       gamma=section.get("gamma", 4.0))
+    problems = []
+    if not isinstance(spec.name, str) or spec.name not in losses.LOSSES:
+        problems.append(f"drafter.loss {spec.name!r} is no drafter loss: use one of {', '.join(losses.LOSSES)}")
+    if isinstance(spec.num_anchors, bool) or not isinstance(spec.num_anchors, int) or spec.num_anchors < 1:
+        problems.append(f"drafter.num_anchors must be an integer >= 1, got {spec.num_anchors!r}")
+    if (isinstance(spec.gamma, bool) or not isinstance(spec.gamma, (int, float)) or not math.isfinite(spec.gamma)
+            or spec.gamma <= 0):
+        problems.append(f"drafter.gamma must be a finite number > 0, got {spec.gamma!r}")
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    return spec
+
+
+def build_drafter(family_name: str, cfg: dict, target, config_path: str | None = None) -> tuple[object, dict]:
     """(Drafter, random params) of the family's training recipe for `target` from a run config, checked
-    against the target."""
+    as generation checks a drafter (`Drafter.validate` against the target: taps, mask token, hidden size,
+    vocabulary). The drafter section may hold only the keys the recipe reads and those of the loss
+    (LOSS_KEYS); ConfigError naming the file (config_path) and each unknown or missing key."""
+    where = f"training config {config_path}" if config_path else "the run config"
     fam = family.get_family(family_name)
     if fam.recipe is None:
         raise ValueError(f"the {family_name} drafter family has no training recipe: trainable families are "
                          f"{', '.join(family.trainable())}")
-    return fam.recipe.build(cfg, target, jax.random.key(cfg["train"].get("seed", 0) + 1))
+    if not isinstance(cfg.get("drafter"), dict):
+        raise ConfigError(f"{where}: needs a \"drafter\" section, an object of the {family_name} drafter's settings")
+    section = ReadKeys(cfg["drafter"])
+    drafter_loss(section, where)
+    run = {**cfg, "drafter": section}
+    try:
+        dr, params = fam.recipe.build(run, target, jax.random.key(cfg.get("train", {}).get("seed", 0) + 1))
+    except Exception as err:
+        missing = sorted(k for k in section.absent
+                         if (isinstance(err, KeyError) and err.args and err.args[0] == k) or str(k) in str(err))
+        if missing:
+            names = ", ".join(repr(f"drafter.{k}") for k in missing)
+            raise ConfigError(f"{where}: missing required key{'s' if len(missing) > 1 else ''} {names} (the "
+                              f"{family_name} recipe needs {'them' if len(missing) > 1 else 'it'})"
+                              f"{_suggest(section.unread(), missing)}") from err
+        if isinstance(err, ValueError) and config_path and not isinstance(err, ConfigError):
+            raise ConfigError(f"{where}: {err}") from err
+        raise
+    unknown = sorted(section.unread())
+    if unknown:
+        known = sorted(section.read | set(LOSS_KEYS))
+        raise ConfigError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(f'drafter.{k}') for k in unknown)} "
+            f"(the {family_name} recipe does not read {'them' if len(unknown) > 1 else 'it'}: a misspelling, or a "
+            f"setting that does not apply alongside the others; it read {', '.join(known)})"
+            f"{_suggest(unknown, known)}")
+    try:
+        dr.validate(target.cfg, params)  # as jspec.api.prepare_drafter does before generating
+    except ValueError as err:
+        if not config_path:
+            raise
+        raise ConfigError(f"{where}: the {family_name} drafter it describes does not fit the target "
+                          f"({err})") from err
+    return dr, params
+
+
+def _suggest(given, wanted) -> str:
+    """'; did you mean ...' for keys of `given` spelt close to one of `wanted`."""
+    pairs = []
+    for k in sorted(given):
+        close = difflib.get_close_matches(str(k), [str(w) for w in wanted], n=1, cutoff=0.6)
+        if close:
+            pairs.append(f"drafter.{close[0]!s} for drafter.{k!s}")
+    return f"; did you mean {', '.join(pairs)}?" if pairs else ""
 
 
 def train_drafter(family_name: str, config_path: str, target_path: str, out_dir: str, steps: int | None = None,
                   progress: bool = True) -> str:
     """Train a drafter of a registered family (its `TrainRecipe`) for the target; returns the model folder
     (written by the family's `save`, so `jspec.load_drafter` reads it back)."""
-    cfg = lm.load_run_config(config_path)
-    target = load_target(target_path)
+    cfg = lm.load_run_config(config_path, "drafter")
     fam = family.get_family(family_name)
-    dr, params = build_drafter(family_name, cfg, target)  # before any distillation: a bad config fails fast
+    if fam.recipe is not None and fam.recipe.data != "distilled":
+        raise ValueError(f"the {family_name} recipe needs {fam.recipe.data!r} data; jspec train prepares 'distilled'")
+    with runfiles.locked(out_dir) as lock:
+        target = load_target(target_path)
+        # Before any distillation: a bad config, or a drafter that does not fit the target, fails fast.
+        dr, params = build_drafter(family_name, cfg, target, config_path)
+        return _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock)
+
+
+def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock) -> str:
     recipe = fam.recipe
-    if recipe.data != "distilled":
-        raise ValueError(f"the {family_name} recipe needs {recipe.data!r} data; jspec train prepares 'distilled'")
-    os.makedirs(out_dir, exist_ok=True)
     dist = cfg["distill"]
     npz = os.path.join(out_dir, "distilled.npz")
     if not os.path.exists(npz):
@@ -88,8 +172,7 @@ def train_drafter(family_name: str, config_path: str, target_path: str, out_dir:
         self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz)
     tok_dir = data.build_token_dataset({"train": npz}, os.path.join(out_dir, "tfds"))
     arrays = data.padded_examples(data.read_split(tok_dir, "train"), dist["prompt_len"] + dist["new_tokens"])
-    d = cfg["drafter"]
-    spec = DrafterLoss(name=d.get("loss", "ce"), num_anchors=d.get("num_anchors", 16), gamma=d.get("gamma", 4.0))
+    spec = drafter_loss(cfg["drafter"])
     tc = TrainConfig(**cfg["train"])
     base_key = jax.random.key(tc.seed)
     frozen = {k: v for k, v in params.items() if k in recipe.frozen}
@@ -99,17 +182,17 @@ def train_drafter(family_name: str, config_path: str, target_path: str, out_dir:
         key = jax.random.fold_in(base_key, batch["step"][0])
         return recipe.loss({**p, **fixed["drafter"]}, fixed["target"], target.cfg, dr, spec, batch, key)
 
-    trainer = Trainer(loss_fn, trainable, tc, out_dir, fingerprint={"kind": family_name, "config": cfg,
+    trainer = Trainer(loss_fn, trainable, tc, out_dir, fingerprint={"kind": fam.name, "config": cfg,
                                                                       "target": os.path.abspath(target_path)},
-                      frozen={"target": target.params, "drafter": frozen})
+                      frozen={"target": target.params, "drafter": frozen}, lock=lock)
     start = trainer.restore_latest()
     ds = data.dict_batches(arrays, cfg["data"]["batch_size"], tc.seed)
     stepped = _with_step(ds)
     if progress:
-        print(f"{family_name}: {len(arrays['tokens'])} distilled sequences; resuming at step {start}")
+        print(f"{fam.name}: {len(arrays['tokens'])} distilled sequences; resuming at step {start}")
     state = trainer.run(stepped, steps=steps, progress=progress)
     model_dir = os.path.join(out_dir, "model")
-    fam.save(model_dir, dr, {**state.params, **frozen})
+    runfiles.replace_folder(model_dir, lambda folder: fam.save(folder, dr, {**state.params, **frozen}))
     return model_dir
 
 

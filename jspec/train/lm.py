@@ -4,7 +4,9 @@
     jspec train target --mesh data=2,fsdp=4 --config configs/code-target.json --out runs/code-target
 
 Writes the run (checkpoints, metrics.jsonl) under --out and the trained model in Hugging Face format
-(config.json, model.safetensors, tokenizer.json) under --out/model.
+(config.json, model.safetensors, tokenizer.json) under --out/model. The config is checked whole before
+anything runs (jspec.train.runconfig); the run holds --out for its duration (a second run into it is
+refused), and tokenizer.json and the model folder are written whole or not at all.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import parallel
-from jspec.errors import ConfigError
+from jspec.errors import CheckpointError, ConfigError
 from jspec.io.files import read_json_object
 from jspec.io.hf import save_params
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
-from jspec.train import data
+from jspec.train import data, runconfig, runfiles
 from jspec.train.trainer import TrainConfig, Trainer
 
 EOT = "<|endoftext|>"
@@ -54,10 +56,26 @@ def lm_loss(params, cfg: ModelConfig, batch: jax.Array):
     return jnp.mean(nll), {"acc": acc}
 
 
-def load_run_config(path: str) -> dict:
+def load_run_config(path: str, kind: str | None = None) -> dict:
+    """The run config in `path`; with kind ("target" or "drafter") every section's keys and values are
+    checked (ConfigError naming the file and each unknown or missing key)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no training config at {path!r}: see configs/ for examples")
-    return read_json_object(path, error=ConfigError)
+    cfg = read_json_object(path, error=ConfigError)
+    if kind is not None:
+        runconfig.check_run_config(cfg, path, kind)
+    return cfg
+
+
+def load_run_tokenizer(path: str):
+    """The run's tokenizer.json; CheckpointError naming it when it is damaged."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # the tokenizers library raises a bare Exception for an unreadable file
+        raise CheckpointError(f"{path} is not a valid tokenizer.json ({err}): the file is damaged; delete it to "
+                              "train the tokenizer again from the corpus") from err
 
 
 def corpus_root(spec: str) -> str:
@@ -89,17 +107,21 @@ def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None,
     host sees (checkpoints are written by all processes through orbax); each host builds the text
     corpus in its own subfolder host<i>, and process 0 writes the tokenizer, the metrics and the model.
     """
-    from tokenizers import Tokenizer
+    cfg = load_run_config(config_path, "target")
+    with runfiles.locked(out_dir, primary=parallel.is_primary()) as lock:
+        return _pretrain(cfg, out_dir, steps, progress, mesh, lock)
 
-    cfg = load_run_config(config_path)
+
+def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock) -> str:
     work = out_dir if jax.process_count() == 1 else os.path.join(out_dir, f"host{jax.process_index()}")
     os.makedirs(work, exist_ok=True)
     ds_dir, train_files = prepare_text(cfg, work)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     if parallel.is_primary() and not os.path.exists(tok_path):
-        train_tokenizer(cfg["model"]["vocab_size"], train_files).save(tok_path)
+        trained = train_tokenizer(cfg["model"]["vocab_size"], train_files)
+        runfiles.atomic_file(tok_path, trained.save)
     parallel.sync("tokenizer")
-    tok = Tokenizer.from_file(tok_path)
+    tok = load_run_tokenizer(tok_path)
     mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
     seq_len, batch = cfg["data"]["seq_len"], cfg["data"]["batch_size"]
     windows = tokenized_windows(tok, ds_dir, "train", seq_len)
@@ -111,12 +133,12 @@ def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None,
         return lm_loss(p, mcfg, b)
 
     if mesh is None:
-        trainer = Trainer(loss, params, tc, out_dir, fingerprint)
+        trainer = Trainer(loss, params, tc, out_dir, fingerprint, lock=lock)
         batches = data.batches(windows, batch, tc.seed)
     else:
         params = parallel.shard_params(params, mesh, head_dim=mcfg.head_dim, axes=parallel.target_axes(mcfg))
         parallel.prepare_run_dir(out_dir, fingerprint)
-        trainer = Trainer(loss, params, tc, out_dir, fingerprint, sharding=parallel.global_batch(mesh))
+        trainer = Trainer(loss, params, tc, out_dir, fingerprint, sharding=parallel.global_batch(mesh), lock=lock)
         trainer.state = parallel.on_mesh(trainer.state, mesh)
         # Element i of the shuffled stream is window i of the run: the same order as data.batches.
         examples = grain.MapDataset.source(windows).shuffle(seed=tc.seed).repeat()
@@ -131,7 +153,10 @@ def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None,
     host_params = parallel.to_host(state.params)  # collective: every process takes part
     model_dir = os.path.join(out_dir, "model")
     if parallel.is_primary():
-        save_params(model_dir, mcfg, host_params)
-        tok.save(os.path.join(model_dir, "tokenizer.json"))
+        def write(folder):
+            save_params(folder, mcfg, host_params)
+            tok.save(os.path.join(folder, "tokenizer.json"))
+
+        runfiles.replace_folder(model_dir, write)
     parallel.sync("model-saved")
     return model_dir

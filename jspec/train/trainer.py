@@ -4,15 +4,23 @@ The state is (params, opt_state, step); batch i of the run is `dataset[i]` (a ra
 MapDataset), so the data position is the step and resuming continues bit for bit. A run directory
 records a fingerprint of its configuration; resuming into a directory written by another
 configuration is refused.
+
+A run's folder survives crashes: one run at a time holds it (`.lock`, RunFolderBusy for a second one); a
+damaged newest checkpoint is moved aside with a warning and the previous one restored; metrics.jsonl
+keeps each step once across resumes; a full disk at a checkpoint is one CheckpointWriteError saying
+that the previous checkpoint is intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +31,11 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jspec.errors import JspecError
+from jspec.errors import CheckpointError, ConfigError, JspecError
+from jspec.io.files import read_json_object
+from jspec.train.runfiles import RunFolderBusy, RunLock, atomic_text  # noqa: F401 (RunFolderBusy: raised here)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,24 @@ class TrainingDiverged(JspecError, ValueError):
     """The loss or the gradient norm became NaN / inf; the run stopped without saving that state."""
 
 
+class CheckpointWriteError(JspecError, ValueError):
+    """A checkpoint could not be written (the disk is full); the previous checkpoint is intact."""
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Is `err`, or an error it was raised from, "no space left on the device" (orbax and tensorstore wrap
+    the OSError, or only keep its text)?"""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "ENOSPC" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     warmup = max(1, int(tc.warmup_frac * tc.steps))
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
@@ -76,11 +106,31 @@ class Trainer:
 
     frozen: a pytree the loss reads but does not train (a frozen target's parameters); with it the loss is
     loss_fn(params, batch, frozen), and it is an argument of the compiled step, not a constant folded into
-    the program (a closed-over array would be: a second copy of a large model, and a slow compile)."""
+    the program (a closed-over array would be: a second copy of a large model, and a slow compile).
+
+    lock: the run folder's RunLock when the caller holds it for a whole run (tokenizer, data, training,
+    export; see jspec.train.lm); without one the Trainer takes its own lock from its creation to the end
+    of `run` (or `close`), and a second Trainer on the folder meanwhile is refused with RunFolderBusy. In
+    a run of several processes only process 0 locks the (shared) folder."""
 
     def __init__(self, loss_fn: Callable, params: Any, tc: TrainConfig, run_dir: str, fingerprint: dict,
-                 sharding: Callable[[Any], Any] | None = None, frozen: Any = None):
+                 sharding: Callable[[Any], Any] | None = None, frozen: Any = None, lock: RunLock | None = None):
         self.tc, self.run_dir, self.fingerprint = tc, os.path.abspath(run_dir), fingerprint
+        self._own_lock = None
+        if lock is None and jax.process_index() == 0:
+            self._own_lock = RunLock(self.run_dir).acquire()
+        try:
+            self._setup(loss_fn, params, tc, sharding, frozen)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run folder (when this Trainer locked it itself)."""
+        if self._own_lock is not None:
+            self._own_lock.release()
+
+    def _setup(self, loss_fn, params, tc, sharding, frozen) -> None:
         self.opt = make_optimizer(tc)
         self.state = TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
         self.shard_batch = sharding or (lambda b: b)
@@ -109,41 +159,98 @@ class Trainer:
     def _check_fingerprint(self) -> None:
         path = os.path.join(self.run_dir, "run_config.json")
         if os.path.exists(path):
-            with open(path) as f:
-                old = json.load(f)
+            old = read_json_object(path, error=ConfigError)
             if old != self.fingerprint:
                 diff = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
                 raise ValueError(
                     f"run directory {self.run_dir!r} was written by another configuration (differs in {diff}): "
                     "use a new --out directory, or the configuration that wrote it")
         else:
-            with open(path, "w") as f:
-                json.dump(self.fingerprint, f, indent=2, sort_keys=True)
+            atomic_text(path, json.dumps(self.fingerprint, indent=2, sort_keys=True))
 
     def restore_latest(self) -> int:
-        """Resume from the newest complete checkpoint (half-written steps are not listed); returns its step."""
-        step = self.manager.latest_step()
-        if step is None:
-            return 0
+        """Resume from the newest complete checkpoint (half-written steps are not listed); returns its step.
+
+        A checkpoint that cannot be restored (damaged files) is moved aside to <run>/damaged-checkpoints/
+        with a warning naming its step and the error, and the one before it is restored instead;
+        CheckpointError when none can be."""
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, self.state)
-        self.state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        return int(step)
+        failures = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                self.state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            except Exception as err:  # orbax / tensorstore raise bare Exceptions for damaged files
+                if isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in str(err):
+                    raise  # the checkpoint may be fine: the device is out of memory
+                reason = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                failures.append(f"step {step} ({reason})")
+                if jax.process_count() > 1:  # the processes read different shards: they must agree on a step
+                    raise CheckpointError(
+                        f"checkpoint of step {step} in {self.run_dir!r} cannot be restored ({reason}): move "
+                        f"{os.path.join(self.run_dir, 'checkpoints', str(step))} out of the checkpoints folder "
+                        "and run again to resume from the previous one") from err
+                moved = self._set_aside(step)
+                message = (f"checkpoint of step {step} in {self.run_dir!r} cannot be restored ({reason}); "
+                           f"it was moved to {moved}; trying the previous checkpoint")
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                continue
+            return int(step)
+        if failures:
+            raise CheckpointError(
+                f"no checkpoint of run folder {self.run_dir!r} can be restored: {'; '.join(failures)}; the damaged "
+                f"checkpoints were moved to {os.path.join(self.run_dir, 'damaged-checkpoints')}: run again to "
+                "start from step 0, or use a new --out folder")
+        return 0
+
+    def _set_aside(self, step: int) -> str:
+        """Move a damaged checkpoint out of the manager's folder (it would block saving that step again)."""
+        src = os.path.join(self.run_dir, "checkpoints", str(step))
+        dst_dir = os.path.join(self.run_dir, "damaged-checkpoints")
+        os.makedirs(dst_dir, exist_ok=True)
+        dst = os.path.join(dst_dir, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(src, dst)
+        self.manager.reload()
+        return dst
 
     def save(self) -> None:
+        """Write the state's checkpoint; a full disk is one CheckpointWriteError naming the run folder, the
+        step and the previous checkpoint, which is intact (orbax writes a temporary folder first)."""
         step = int(self.state.step)
-        self.manager.save(step, args=ocp.args.StandardSave(self.state), force=True)
-        self.manager.wait_until_finished()
+        previous = self.manager.latest_step()
+        try:
+            self.manager.save(step, args=ocp.args.StandardSave(self.state), force=True)
+            self.manager.wait_until_finished()
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+            kept = (f"the previous checkpoint, step {previous}, is intact" if previous is not None
+                    else "no earlier checkpoint exists")
+            raise CheckpointWriteError(
+                f"no space left on the device of run folder {self.run_dir!r}: the checkpoint of step {step} was "
+                f"not written ({kept}); free some space (or lower train.keep) and run the same command again "
+                "to resume") from err
 
     def run(self, dataset, steps: int | None = None, progress: bool = True, metrics_file: str | None = None) -> TrainState:
         """Train until `steps` (default: the config's) from wherever the state is; checkpoints on the way.
 
         A non-finite loss or gradient norm stops the run with TrainingDiverged naming the step; it is
-        checked before every checkpoint, so the newest checkpoint always holds a finite state."""
+        checked before every checkpoint, so the newest checkpoint always holds a finite state. Lines of
+        the metrics file for steps after the state's (logged by an earlier run that stopped before its
+        next checkpoint) are dropped first, so every step is logged once."""
         end = self.tc.steps if steps is None else steps
         if isinstance(end, bool) or not isinstance(end, int) or end < 1:
             raise ValueError(f"steps must be an integer >= 1 (the step to stop at), got {end!r}")
+        if self._own_lock is not None:
+            self._own_lock.acquire()  # held since __init__, or again for a second run of this Trainer
+        try:
+            return self._run(dataset, end, progress, metrics_file)
+        finally:
+            self.close()
+
+    def _run(self, dataset, end: int, progress: bool, metrics_file: str | None) -> TrainState:
         start = int(self.state.step)
         metrics_file = metrics_file or os.path.join(self.run_dir, "metrics.jsonl")
+        trim_metrics(metrics_file, start)
         bar = tqdm(range(start, end), initial=start, total=end, disable=not progress, desc="train", unit="step")
         t0, tokens = time.perf_counter(), 0
         first_bad = jnp.zeros((), jnp.int32)
@@ -171,3 +278,24 @@ class Trainer:
                     self.save()
                     last_saved = step
         return self.state
+
+
+def trim_metrics(path: str, step: int) -> None:
+    """Keep the lines of a metrics file for steps <= `step` (and drop a last line cut short by a crash):
+    a resumed run logs the steps after its checkpoint again. Not a regular file (os.devnull): left alone."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        logger.info("%s: dropped %d line(s) of steps after step %d (logged again on resume)", path,
+                    len(lines) - len(kept), step)
+        atomic_text(path, "".join(k + "\n" for k in kept))

@@ -10,6 +10,8 @@ round); `_served_logprobs_sorted` is the sort-based reference they are tested ag
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,10 @@ class SamplingParams:
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p)
+        # numpy scalars become Python numbers: equal requests hash (and compile) alike.
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
     def greedy(self) -> bool:
@@ -59,13 +65,25 @@ class Served:
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Host-side check of sampling parameters; raises ValueError naming the problem and the fix."""
-    if not isinstance(temperature, (int, float)) or temperature != temperature or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    """Host-side check of sampling parameters; raises ValueError naming the value, the range and the fix.
+    Python and numpy numbers are accepted; bools, inf and NaN are not."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), finite (not inf or NaN), got "
+                         f"{temperature!r}: pass e.g. 0 for greedy decoding or 0.7 to sample")
+    if temperature > 0 and not (_F32.tiny <= temperature <= _F32.max):
+        raise ValueError(f"temperature {temperature!r} is outside the float32 range the loops divide by "
+                         f"[{_F32.tiny:.3g}, {_F32.max:.3g}]: pass 0 for greedy decoding")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+    if top_k > np.iinfo(np.int32).max:
+        raise ValueError(f"top_k must be below 2**31 (it is an int32), got {top_k}: any k >= the vocabulary size keeps "
+                         "every token, so pass 0 (off)")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {top_p!r}")
+
+
+_F32 = np.finfo(np.float32)
 
 
 def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
