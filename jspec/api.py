@@ -194,7 +194,14 @@ def _with_shape(fam, dr, block_size: int | None, tree_budget: int, name: str):
     chain = shaped if not tree_budget else fam.with_shape(dr, block_size, 0)
     g = chain.num_drafts
     trained = getattr(getattr(chain, "cfg", None), "block_size", None)  # DFlash / DSpark: the checkpoint's field
-    if block_size == g or (trained is not None and block_size == trained):
+    if trained is not None and block_size in (g, trained):
+        return shaped
+    if trained is None and block_size == g:  # a family that drafts any block: does its tree use it?
+        other = fam.with_shape(dr, block_size + 1, tree_budget) if tree_budget else None
+        if other is not None and (other.num_drafts, other.max_depth) == (shaped.num_drafts, shaped.max_depth):
+            raise RequestError(f"the drafter {name} shapes its tree of {tree_budget} nodes by the tree budget alone "
+                               f"(depth {shaped.max_depth}), so block_size={block_size} would be ignored: drop the "
+                               "block size, or drop the tree budget to draft a chain of that many tokens")
         return shaped
     detail = ""
     if trained is not None:

@@ -563,3 +563,13 @@ def test_cli_warns_when_the_cache_cuts_the_row(hf_checkpoints, capsys):
                        "or leave it unset\n")
     assert cli.main(argv) == 0
     assert capsys.readouterr().err.startswith("jspec: warning: generation stopped after 29 of 200 new tokens")
+
+
+def test_lookup_tree_refuses_a_block_size_it_would_ignore(small):
+    """A prompt-lookup tree takes its shape from the tree budget: an explicit block size is refused, not
+    ignored."""
+    from jspec.api import RequestError
+
+    with pytest.raises(RequestError, match=r"tree budget alone.*block_size=3 would be ignored"):
+        jspec.load_drafter("lookup", small, block_size=3, tree_budget=6)
+    assert jspec.load_drafter("lookup", small, tree_budget=6)[0].num_drafts == 6

@@ -108,7 +108,8 @@ def test_committed_cache_rows_equal_plain_decoding(target, tree_budget):
     dcfg = ar.DecodeConfig(max_new_tokens=NEW, cache_size=64, sampling=SamplingParams(0.0))
     args = _arrays(target, PROMPTS)
     plain = ar.generate_ar(target.params, target.cfg, dcfg, *args)
-    drafter, _ = jspec.load_drafter("lookup", target, block_size=4, tree_budget=tree_budget)
+    drafter, _ = jspec.load_drafter("lookup", target, **(dict(tree_budget=tree_budget) if tree_budget else
+                                                          dict(block_size=4)))
     st = spec.generate_spec(target.params, (), target.cfg, drafter, spec.SpecConfig(dcfg, "greedy"), *args)
     np.testing.assert_array_equal(np.asarray(st.core.tokens), np.asarray(plain.tokens))
     for row, length in enumerate(np.asarray(plain.length)):

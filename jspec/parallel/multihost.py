@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.parallel.placement import place
 from jspec.parallel.sharding import RULES, ShardingRules, axis_size, batch_sharding
+from jspec.train.runfiles import atomic_text
 
 
 def initialize() -> bool:
@@ -57,12 +58,11 @@ def sync(name: str) -> None:
 
 def prepare_run_dir(run_dir: str, fingerprint: dict) -> None:
     """Write the run's fingerprint file once (process 0) before every process opens a Trainer on
-    the shared run directory, so that no process reads it half-written."""
+    the shared run directory, so that no process reads it half-written (and a crash leaves none)."""
     path = os.path.join(run_dir, "run_config.json")
     if is_primary() and not os.path.exists(path):
         os.makedirs(run_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(fingerprint, f, indent=2, sort_keys=True)
+        atomic_text(path, json.dumps(fingerprint, indent=2, sort_keys=True))
     sync(f"run-dir:{run_dir}")
 
 
