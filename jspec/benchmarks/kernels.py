@@ -176,11 +176,8 @@ def aot_main(chip: str, dtypes, kernels=("draft", "tree"), reference: bool = Tru
     for dtype in dtypes:
         for kernel in kernels:
             for which in ((impl, "reference") if reference else (impl,)):
-                try:
-                    row = aot_compile(chip, kernel, which, jnp.dtype(dtype))
-                except Exception as e:  # noqa: BLE001 - reported per case
-                    row = {"chip": chip, "kernel": kernel, "impl": which, "dtype": jnp.dtype(dtype).name,
-                           "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                row = compiled_row(lambda: aot_compile(chip, kernel, which, jnp.dtype(dtype)), chip=chip,
+                                   kernel=kernel, impl=which, dtype=jnp.dtype(dtype).name)
                 rows.append(row)
                 if "error" in row:
                     print(f"{chip} {kernel:5s} {row['dtype']:8s} {which:9s} FAILED {row['error'][:300]}", flush=True)
@@ -192,6 +189,15 @@ def aot_main(chip: str, dtypes, kernels=("draft", "tree"), reference: bool = Tru
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return rows
+
+
+def compiled_row(compile_case, **case) -> dict:
+    """`compile_case()`'s row, or the case's fields with the compile error ("error") when it fails, so
+    that one failed compile is reported in its row and does not stop the others."""
+    try:
+        return compile_case()
+    except Exception as e:  # noqa: BLE001 - reported per case
+        return {**case, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
 
 
 def main(argv=None) -> None:

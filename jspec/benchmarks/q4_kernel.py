@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jspec.benchmarks.kernels import entry_bytes
+from jspec.benchmarks.kernels import compiled_row, entry_bytes
 from jspec.kernels.q4 import q4_matmul
 from jspec.models import quant
 
@@ -87,11 +87,8 @@ def aot_main(chip: str, rows=ROWS, cases=tuple(SHAPES), reference: bool = True, 
     for name in cases:
         for m in rows:
             for which in ((impl, "reference") if reference else (impl,)):
-                try:
-                    row = aot_compile(chip, name, m, which, jnp.dtype(dtype))
-                except Exception as e:  # noqa: BLE001 - reported per case
-                    row = {"chip": chip, "case": name, "rows": m, "impl": which, "dtype": jnp.dtype(dtype).name,
-                           "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                row = compiled_row(lambda: aot_compile(chip, name, m, which, jnp.dtype(dtype)), chip=chip,
+                                   case=name, rows=m, impl=which, dtype=jnp.dtype(dtype).name)
                 out.append(row)
                 label = f"{chip} {name:8s} {row['dtype']:8s} M={m:<4d} {which:9s}"
                 if "error" in row:

@@ -61,7 +61,7 @@ def q4_settings(hf_config: dict, where: str) -> dict | None:
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Can this checkpoint tensor be stored quantized: a 2-d matrix whose input dimension divides into groups."""
-    return name.endswith(".weight") and len(shape) == 2 and shape[1] % quant.GROUP_SIZE == 0
+    return name.endswith(".weight") and len(shape) == 2 and quant.quantizable(tuple(shape))
 
 
 def _parts(name: str) -> tuple[str, str]:
