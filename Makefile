@@ -6,15 +6,18 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench builtin clean
+.PHONY: demo test bench builtin clean lock
 
-$(VENV)/.base: pyproject.toml
+# Both install the exact versions of the lock files (reproducible), then jspec itself without resolving
+# again; pyproject.toml's ranges are what `pip install jspec` next to another stack resolves.
+$(VENV)/.base: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml $(VENV)/.base
-	$(PY) -m pip install -q -e '.[test]'
+$(VENV)/.test: pyproject.toml requirements-test.lock $(VENV)/.base
+	$(PY) -m pip install -q -r requirements-test.lock
 	touch $@
 
 # A second interpreter for deviceless TPU / H200 compiles: the base venv's packages (through a .pth
@@ -47,5 +50,19 @@ builtin: $(VENV)/.base
 	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark
 	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model
 
+# Re-resolve pyproject.toml's ranges (the newest releases they admit) in fresh venvs and write the lock
+# files; run the suite on the result before committing it. A local build's label (torch 2.13.0+cpu) is
+# dropped so the lock also holds on machines that take the same release from the registry.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q .
+	{ echo "# The exact set \`make demo\` installs (\`make lock\` writes it from pyproject.toml's ranges)."; \
+	  $(LOCK_VENV)/bin/pip freeze --all --exclude pip --exclude jspec | sed 's/+cpu$$//'; } > requirements.lock
+	$(LOCK_VENV)/bin/pip install -q '.[test]'
+	{ echo "# The exact set \`make test\` installs (\`make lock\` writes it from pyproject.toml's ranges)."; \
+	  $(LOCK_VENV)/bin/pip freeze --all --exclude pip --exclude jspec | sed 's/+cpu$$//'; } > requirements-test.lock
+	rm -rf $(LOCK_VENV)
+
 clean:
-	rm -rf $(VENV) $(VENV)-aot demo_out .pytest_cache
+	rm -rf $(VENV) $(VENV)-aot $(LOCK_VENV) demo_out .pytest_cache
