@@ -6,17 +6,19 @@ import dataclasses
 import numbers
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec import parallel
-from jspec.decode import ar, spec
+from jspec.decode import ar, spec, stop as stop_strings
 from jspec.drafters import Drafter, family
 from jspec.errors import JspecError
+from jspec.io import chat, hub
 from jspec.io.models import load_model
+from jspec.io.tokenizer import read_tokenizer_settings
 from jspec.kernels import resolve as resolve_kernels
 from jspec.models import quant
 from jspec.models import target as tm
@@ -27,20 +29,110 @@ from jspec.verify.sampling import SamplingParams
 
 @dataclasses.dataclass
 class Target:
-    """A target model: static config, parameter pytree, optional tokenizer."""
+    """A target model: static config, parameter pytree, optional tokenizer, and what the checkpoint says
+    about chat: its special tokens and chat template (`load_target` reads them).
+
+    special_tokens: transformers' `special_tokens_map` of the checkpoint ({"bos_token": "<s>", "eos_token":
+    ..., "pad_token": ...}, from tokenizer_config.json); chat_template: its Jinja chat template, or name ->
+    template when it has several (see jspec.io.chat for where each comes from); chat_template_file: the file(s)
+    it was read from."""
 
     cfg: ModelConfig  # or jspec.models.hybrid.HybridConfig
     params: dict
     tokenizer: object | None = None
     path: str | None = None
+    special_tokens: dict = dataclasses.field(default_factory=dict)
+    chat_template: str | dict | None = None
+    chat_template_file: str | None = None
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
 
     def encode(self, text: str) -> list[int]:
+        """The ids of plain text, as transformers' `tokenizer(text)["input_ids"]` gives them: BOS (and EOS) only
+        where tokenizer.json's post_processor adds them (transformers 5 ignores tokenizer_config.json's
+        add_bos_token beside a tokenizer.json; see jspec.io.tokenizer). For a chat, use apply_chat_template."""
         if self.tokenizer is None:
             raise ValueError(f"target {self.path!r} has no tokenizer.json: pass token ids instead of text")
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def _template(self, chat_template, tools) -> tuple[str, str]:
+        """(the Jinja source to render, what errors call it)."""
+        if self.chat_template is None and chat_template is None:
+            looked = f": looked for {chat.searched_files(self.path)}" if self.path else ""
+            raise chat.ChatError(f"the target {self.path!r} has no chat template{looked}; pass chat_template=... (a "
+                                 "Jinja template), or use a chat model's checkpoint (instruct / chat variants ship "
+                                 "one)")
+        named = isinstance(self.chat_template, dict) and chat_template in self.chat_template
+        if chat_template is not None and not named:
+            return chat_template, "the chat_template argument"
+        where = self.chat_template_file or "the target's chat template"
+        return chat.choose_template(self.chat_template, chat_template, tools, where), where
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools=None, *, documents=None,
+                    chat_template: str | None = None, continue_final_message: bool | str = False, **kwargs) -> str:
+        """One conversation as text, exactly as transformers' `tokenizer.apply_chat_template(messages,
+        tokenize=False, ...)` renders it with this checkpoint's template.
+
+        messages: a list of {"role": ..., "content": ...} dicts (content: text or a list of content blocks; an
+        assistant message with "tool_calls" may omit it). add_generation_prompt: end with the opening of an
+        assistant turn (the default here, for generation; transformers' default is False). tools: JSON-schema
+        dicts of callable tools ({"type": "function", "function": {...}}), for templates that support them
+        (a checkpoint's "tool_use" template serves them when it has one). documents: retrieval documents (dicts).
+        chat_template: a Jinja template, or the name of one of the checkpoint's templates, to use instead.
+        continue_final_message: leave the last message open for the model to continue (True: its content;
+        needs add_generation_prompt=False). kwargs: extra template variables (e.g. enable_thinking=False),
+        overriding the special tokens (bos_token, eos_token, ...) the template sees.
+        Raises jspec.io.chat.ChatError (a ValueError) naming the problem: malformed messages, no template
+        (naming the files looked for), or a template that refuses the conversation (its raise_exception)."""
+        return self._render([chat.check_conversation(messages)], add_generation_prompt, tools, documents,
+                            chat_template, continue_final_message, kwargs)[0]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> list[int]:
+        """One conversation as token ids, ready to be a prompt: `render_chat(messages, add_generation_prompt,
+        tools, **kwargs)` encoded as transformers' `apply_chat_template(..., tokenize=True)` encodes it (no
+        special tokens added on top of the ones the template writes). Same arguments as render_chat. E.g.
+        `jspec.generate(target, [target.apply_chat_template([{"role": "user", "content": "Hi"}])])`.
+        A batch of conversations is `chat_prompts`. Needs a tokenizer.json (ValueError otherwise)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        return chat.encode_chat(self._chat_tokenizer(), text)
+
+    def chat_prompts(self, conversations, add_generation_prompt: bool = True, tools=None, **kwargs) -> list[list[int]]:
+        """A batch: a list of conversations (each a list of message dicts) -> one id list per conversation, each
+        as `apply_chat_template` gives it (same keyword arguments, shared by every conversation); the result is
+        what `jspec.generate(target, prompts)` takes. ChatError naming the conversation and message at fault."""
+        tok = self._chat_tokenizer()
+        options = {k: kwargs.pop(k) for k in ("documents", "chat_template", "continue_final_message") if k in kwargs}
+        texts = self._render(chat.check_conversations(conversations), add_generation_prompt, tools,
+                             options.get("documents"), options.get("chat_template"),
+                             options.get("continue_final_message", False), kwargs)
+        return [chat.encode_chat(tok, t) for t in texts]
+
+    def _chat_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.path!r} has no tokenizer.json to encode a chat: render_chat gives the "
+                             "text; encode it with the model's tokenizer")
+        return self.tokenizer
+
+    def _render(self, conversations, add_generation_prompt, tools, documents, chat_template, continue_final_message,
+                kwargs) -> list[str]:
+        source, where = self._template(chat_template, tools)
+        return chat.render_conversations(source, conversations, special_tokens=self.special_tokens,
+                                         add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=documents, continue_final_message=continue_final_message,
+                                         where=where, **kwargs)
 
 
 class RequestError(JspecError, ValueError):
@@ -52,9 +144,17 @@ BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin"
 
 
 def resolve_path(path: str) -> str:
-    """'builtin:NAME' -> the shipped model folder jspec/builtin/NAME; other paths unchanged."""
+    """The model folder a user's spelling stands for:
+    - 'builtin:NAME' -> the shipped model folder jspec/builtin/NAME;
+    - an existing folder -> itself (so a local folder spelled like a repo id wins); a Hugging Face cache repo
+      folder '.../models--org--name' -> its snapshot (refs/main's, or the only one);
+    - 'org/name' or 'org/name@revision' -> its snapshot in the local Hugging Face cache (HF_HUB_CACHE /
+      HF_HOME), looked up offline: never a download; jspec.io.hub.HubCacheError names the cache and the fix
+      (`hf download org/name`) when it is not there;
+    - anything else unchanged (the loaders report it)."""
+    path = os.fspath(path)
     if not path.startswith("builtin:"):
-        return path
+        return hub.resolve_hub_path(path)
     name = path.split(":", 1)[1]
     folder = os.path.join(BUILTIN_DIR, name)
     if not os.path.isdir(folder):
@@ -65,11 +165,17 @@ def resolve_path(path: str) -> str:
 
 
 def load_target(path: str, dtype=jnp.float32) -> Target:
-    """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json), or a
-    built-in model by name ('builtin:code-target')."""
+    """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json,
+    tokenizer_config.json, generation_config.json, chat template), a built-in model by name
+    ('builtin:code-target'), or a model in the local Hugging Face cache ('org/name', 'org/name@revision',
+    '.../models--org--name'; see `resolve_path`). Default EOS ids: config.json's and generation_config.json's."""
     path = resolve_path(path)
     cfg, params, tok = load_model(path, dtype)
-    return Target(cfg, params, tok, path)
+    settings = read_tokenizer_settings(path, tok)
+    template = chat.load_chat_template(path, settings.config)
+    return Target(cfg, params, tok, path, special_tokens=dict(settings.special_tokens),
+                  chat_template=None if template is None else template.templates,
+                  chat_template_file=None if template is None else template.source)
 
 
 @dataclasses.dataclass
@@ -215,8 +321,9 @@ def _with_shape(fam, dr, block_size: int | None, tree_budget: int, name: str):
 
 def generate(
     target: Target,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | None = None,
     *,
+    messages: Sequence | None = None,
     max_new_tokens: int = 64,
     sampling: SamplingParams = SamplingParams(temperature=0.0),
     seeds: Sequence[int] | int = 0,
@@ -229,8 +336,15 @@ def generate(
     verify_budget=None,
     kernels: str | None = None,
     mesh=None,
+    stop: Sequence[str] | None = None,
+    stop_ids: Sequence[int] | None = None,
+    on_commit: Callable[[list[list[int]]], None] | None = None,
 ) -> GenerateResult:
     """Generate for a batch of token-id prompts of different lengths, in one compiled call.
+
+    prompts: token-id prompts, one per row; or messages: one chat conversation per row (each a list of
+    {"role", "content"} dicts), rendered through the target's chat template with the generation prompt
+    (`Target.chat_prompts`, exactly as transformers' apply_chat_template). Give one of the two.
 
     drafter: None (plain autoregressive decoding), "lookup", an HF directory of a small LM with the
     target's tokenizer, a Drafter instance, or a (Drafter, params) pair. verifier: "greedy" (the
@@ -246,10 +360,30 @@ def generate(
     max_new_tokens: prompt + max_new_tokens must fit the model's max_position_embeddings (RequestError
     otherwise). cache_size: text rows per prompt (default: longest prompt + max_new_tokens, rounded up);
     at most max_position_embeddings, and a cache the device's memory cannot hold is refused.
-    Each row stops at EOS (included in its output), at max_new_tokens, or when its buffer of cache_size
-    tokens is full (an explicit cache_size smaller than prompt + max_new_tokens); stats["stopped_by"] says
-    which, per row: "eos", "max_new_tokens", "cache_full" or "context_limit" (the row filled the model's
-    max_position_embeddings). Every bad argument is a RequestError (a ValueError) raised before compiling.
+    Each row stops at EOS (included in its output), at a stop id or stop string, at max_new_tokens, or when
+    its buffer of cache_size tokens is full (an explicit cache_size smaller than prompt + max_new_tokens);
+    stats["stopped_by"] says which, per row: "eos", "stop", "max_new_tokens", "cache_full" or
+    "context_limit" (the row filled the model's max_position_embeddings). Every bad argument is a
+    RequestError (a ValueError) raised before compiling.
+    stop_ids: token ids that end a row like EOS (the token is kept in res.tokens), reported as "stop"
+    (an id that is also an EOS id reports "eos"). Like eos_ids they are compiled in: another set of ids
+    compiles another loop.
+    stop: stop strings (needs the target's tokenizer). A row ends at the first generated token whose
+    text completes one of them, matched exactly on the device inside the loop, across token boundaries
+    and inside a token; only the text generated in this request counts, never the prompt. That token is
+    the last of res.tokens[row] (so the row's decoded text may run past the stop string, up to the end of
+    that token); the text convention of vLLM, the text cut just before the stop string, is
+    `jspec.decode.stop.trim(target.decode(res.tokens[row]), stop)`. Token text is each token's bytes in
+    context (jspec.decode.stop.token_bytes: a sentencepiece `▁` is a space, also on the first generated
+    token). Other stop strings reuse the compiled loop (their table is a traced input, its rows padded
+    to a bucket); at most 256 UTF-8 bytes in all, none empty.
+    on_commit: a callable, called on the host once after the prefill and once per round (plain
+    decoding: per step) with list[list[int]]: each row's tokens committed then, in order ([] for rows
+    that committed nothing, e.g. finished rows), so the concatenation of a row's chunks is
+    res.tokens[row]. It runs inside the compiled loop (an ordered host callback, compiled in only when
+    given), so the loop waits for it (keep it short, and do not call JAX from it); an exception it raises
+    ends the generation and is re-raised here. Another callable reuses the compiled loop. Not available
+    with a mesh (refused).
     mesh: None (one device), or a jax.sharding.Mesh from jspec.parallel.make_mesh: the target and
     drafter parameters are placed by jspec.parallel's rules (tensor parallel over `model`), the batch
     over `data` x `fsdp` (the number of prompts must divide by it), and the same compiled loop runs
@@ -257,6 +391,11 @@ def generate(
     each gets the whole result).
     """
     cfg = target.cfg
+    if (prompts is None) == (messages is None):
+        raise RequestError("pass prompts (token ids, one list per row) or messages (one chat conversation per row), "
+                           f"not {'both' if prompts is not None else 'neither'}")
+    if messages is not None:
+        prompts = target.chat_prompts(messages)
     if not isinstance(sampling, SamplingParams):
         raise TypeError("sampling must be a jspec SamplingParams")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -290,6 +429,9 @@ def generate(
         eos = _check_eos(eos_ids, cfg.vocab_size)
     if kernels not in (None, "reference", "pallas", "auto"):
         raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
+    stop_ids = () if stop_ids is None else _check_stop_ids(stop_ids, cfg.vocab_size)
+    stop_table = _stop_table(target, stop)
+    _check_on_commit(on_commit, mesh)
     plain = drafter is None or drafter == "none"
     if plain and verifier is not None and not rules.get_rule(verifier).plain_tokens:
         raise RequestError(f"plain autoregressive decoding (no drafter) takes no verifier (got {verifier!r}): "
@@ -301,7 +443,8 @@ def generate(
     _check_given_drafter(drafter, block_size, tree_budget)
     _check_cache_memory(target, len(prompts), ar.DecodeConfig(1, cache_size).cache_rows, cache_size, mesh)
     dcfg = ar.DecodeConfig(max_new_tokens=max_new_tokens, cache_size=cache_size, sampling=sampling, eos_ids=eos,
-                           attention=kernels or "reference")
+                           attention=kernels or "reference", stop_ids=stop_ids, stop_table=stop_table,
+                           on_commit=on_commit)
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
     params, fetch = target.params, jax.device_get
     if kernels is not None and quant.has_q4(params):  # Q4 matmuls: the Pallas kernel or the XLA reference
@@ -314,7 +457,8 @@ def generate(
     if plain:
         start = time.perf_counter()
         state = ar.generate_ar(params, cfg, dcfg, *args)
-        tokens, logprobs, length, steps = fetch((state.tokens, state.logprobs, state.length, state.steps))
+        tokens, logprobs, length, steps, stop_state = fetch(
+            (state.tokens, state.logprobs, state.length, state.steps, state.stop_state))
         wall = time.perf_counter() - start
         rounds = int(steps)
         stats = {"rounds": rounds, "tau": 1.0, "accepted_per_position": []}
@@ -328,8 +472,8 @@ def generate(
             dparams = parallel.place_drafter(dr, dparams, mesh)
         start = time.perf_counter()
         state = spec.generate_spec(params, dparams, cfg, dr, scfg, *args)
-        tokens, logprobs, length, st = fetch(
-            (state.core.tokens, state.core.logprobs, state.core.length, state.stats))
+        tokens, logprobs, length, st, stop_state = fetch(
+            (state.core.tokens, state.core.logprobs, state.core.length, state.stats, state.core.stop_state))
         wall = time.perf_counter() - start
         rounds = int(st.rounds.sum())
         stats = {
@@ -343,24 +487,32 @@ def generate(
     out_tokens = [tokens[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     out_logps = [logprobs[i, lens[i]:length[i]].tolist() for i in range(len(prompts))]
     stats = {"new_tokens": int(sum(len(t) for t in out_tokens)), "wall_s": wall, **stats,
-             "stopped_by": stopped_by(tokens, lens, length, max_new_tokens, cache_size, eos, max_pos)}
+             "stopped_by": stopped_by(tokens, lens, length, max_new_tokens, cache_size, eos, max_pos, stop_ids=stop_ids,
+                                      stop_hit=None if stop_state is None else np.asarray(stop_state) < 0)}
     return GenerateResult(out_tokens, out_logps, stats)
 
 
-STOP_REASONS = ("eos", "max_new_tokens", "cache_full", "context_limit")
+STOP_REASONS = ("eos", "stop", "max_new_tokens", "cache_full", "context_limit")
 
 
-def stopped_by(tokens, prompt_len, length, max_new_tokens: int, cache_size: int, eos_ids, max_pos=None) -> list[str]:
+def stopped_by(tokens, prompt_len, length, max_new_tokens: int, cache_size: int, eos_ids, max_pos=None, *,
+               stop_ids=(), stop_hit=None) -> list[str]:
     """Why each row stopped (one of STOP_REASONS), from the loop's host-side result: tokens [B, S], the prompt
-    lengths [B] and final lengths [B]. EOS wins when the last token is one; then max_new_tokens; a row that
-    stopped short of both filled its buffer: its cache (cache_full) or the model's context (context_limit)."""
+    lengths [B] and final lengths [B]; stop_hit [B]: rows whose last token completed a stop string (the loop's
+    stop_state < 0). EOS wins when the last token is one; then a stop id or stop string ("stop"); then
+    max_new_tokens; a row that stopped short of all of them filled its buffer: its cache (cache_full) or the
+    model's context (context_limit)."""
     tokens, prompt_len, length = np.asarray(tokens), np.asarray(prompt_len), np.asarray(length)
     eos = {int(e) for e in eos_ids}
+    stops = {int(e) for e in stop_ids}
     out = []
     for row in range(len(length)):
         n = int(length[row] - prompt_len[row])
-        if n > 0 and int(tokens[row, length[row] - 1]) in eos:
+        last = int(tokens[row, length[row] - 1]) if n > 0 else None
+        if last in eos:
             out.append("eos")
+        elif last in stops or (n > 0 and stop_hit is not None and bool(stop_hit[row])):
+            out.append("stop")
         elif n >= max_new_tokens:
             out.append("max_new_tokens")
         elif max_pos is not None and length[row] >= max_pos and max_pos <= cache_size:
@@ -368,6 +520,53 @@ def stopped_by(tokens, prompt_len, length, max_new_tokens: int, cache_size: int,
         else:
             out.append("cache_full")
     return out
+
+
+def _check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
+    """Stop ids: integers inside the vocabulary, like EOS ids."""
+    if _is_int(stop_ids) or isinstance(stop_ids, (str, bytes)):
+        raise RequestError(f"stop_ids must be a list of token ids, got {stop_ids!r}: pass e.g. [13] (stop strings "
+                           "go in stop=[...])")
+    try:
+        ids = list(np.asarray(stop_ids).reshape(-1).tolist() if hasattr(stop_ids, "dtype") else stop_ids)
+    except TypeError:
+        raise RequestError(f"stop_ids must be a list of token ids, got {stop_ids!r}") from None
+    bad = [e for e in ids if not _is_int(e)]
+    if bad:
+        raise RequestError(f"stop_ids must be integer token ids, got {bad[:8]} (stop strings go in stop=[...])")
+    out = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
+    if out:
+        raise RequestError(f"stop_ids {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
+                           "them; pass ids the model can emit")
+    return tuple(dict.fromkeys(int(e) for e in ids))
+
+
+def _stop_table(target: Target, stop):
+    """The stop strings' token table (jspec.decode.stop.build_table), or None without stop strings."""
+    if stop is None:
+        return None
+    try:
+        stops = stop_strings.check_stops(stop)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
+    if not stops:
+        return None
+    if target.tokenizer is None:
+        raise RequestError(f"stop strings need the target's tokenizer to read the tokens' text, and target "
+                           f"{target.path!r} has none (no tokenizer.json): add its tokenizer.json, or stop on token "
+                           "ids with stop_ids=[...]")
+    return stop_strings.build_table(target.tokenizer, stops, target.cfg.vocab_size)
+
+
+def _check_on_commit(on_commit, mesh) -> None:
+    if on_commit is None:
+        return
+    if not callable(on_commit):
+        raise RequestError(f"on_commit must be a callable taking each round's committed tokens (list[list[int]]), "
+                           f"got {on_commit!r}")
+    if mesh is not None:
+        raise RequestError("on_commit streaming runs on one device and is not available with a mesh: drop mesh "
+                           "to stream, or drop on_commit and read res.tokens")
 
 
 def _check_given_drafter(drafter, block_size, tree_budget) -> None:

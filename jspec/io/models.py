@@ -4,10 +4,12 @@ through them."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
 
+from jspec.errors import CheckpointError
 from jspec.io import q4
 from jspec.io.files import read_json_object
 from jspec.io.hf import load_params, save_params
@@ -26,9 +28,36 @@ def is_causal_lm(hf: dict) -> bool:
     return False
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_eos_ids(path: str) -> tuple[int, ...]:
+    """The `eos_token_id` (an int or a list of ints) of the folder's generation_config.json; () when the file or
+    the field is absent; CheckpointError naming the file when it is damaged or the field is not token ids."""
+    gen_path = os.path.join(path, GENERATION_CONFIG)
+    if not os.path.exists(gen_path):
+        return ()
+    eos = read_json_object(gen_path).get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    bad = [e for e in ids if isinstance(e, bool) or not isinstance(e, int) or e < 0]
+    if bad:
+        raise CheckpointError(f"{gen_path}: eos_token_id is {eos!r}; it must be a token id (an integer >= 0) or a "
+                              "list of them: the file is damaged")
+    return tuple(ids)
+
+
+def with_generation_eos(cfg, path: str):
+    """`cfg` whose EOS ids also hold generation_config.json's (config.json's first, in order, no duplicates):
+    transformers' generate stops at those, so jspec's default EOS does too."""
+    extra = generation_eos_ids(path)
+    merged = tuple(dict.fromkeys((*cfg.eos_token_ids, *extra)))
+    return cfg if merged == tuple(cfg.eos_token_ids) else dataclasses.replace(cfg, eos_token_ids=merged)
+
+
 def load_model(path: str, dtype=jnp.float32):
     """(config, parameters, tokenizer or None) of an HF model folder (float, or affine Q4 group-64 in the
-    MLX layout: `jspec.io.q4`); the tokenizer must fit the model."""
+    MLX layout: `jspec.io.q4`); the tokenizer must fit the model. The config's EOS ids are config.json's
+    joined by generation_config.json's (`with_generation_eos`)."""
     cfg_path = os.path.join(path, "config.json")
     hf_config = read_json_object(cfg_path) if os.path.exists(cfg_path) else {}
     model_type = hf_config.get("model_type")
@@ -38,6 +67,7 @@ def load_model(path: str, dtype=jnp.float32):
         cfg, params = load_hybrid_params(path, dtype=dtype)
     else:
         cfg, params = load_params(path, dtype=dtype)
+    cfg = with_generation_eos(cfg, path)
     tok = load_tokenizer(path)
     if tok is not None and tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(
