@@ -1,14 +1,19 @@
-"""The `jspec` command.
+"""The `jspec` command (`jspec COMMAND --help` lists every option with its default).
 
-    jspec generate --target PATH (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
-                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json]
+    jspec generate [--target PATH|org/name|builtin:NAME] (--prompt TEXT | --prompt-ids 1,2,3 |
+                   --input-file IN.jsonl [--output-file OUT.jsonl]) [--chat] [--max-new-tokens N]
+                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT] [--stop-id ID] [--json]
                    [--drafter none|lookup|PATH] [--verifier greedy|speculative|block|gumbel]
                    [--block-size G] [--tree-budget N] [--mesh data=D,fsdp=F,model=M]
-    jspec train    target|FAMILY --config JSON --out RUN_DIR [--mesh data=D,fsdp=F,model=M]
+    jspec train    target|FAMILY --config JSON|builtin:NAME --out RUN_DIR [--init MODEL_DIR]
+                   [--mesh data=D,fsdp=F,model=M]
+    jspec convert  RUN_DIR OUT [--step N]   a training run's checkpoint, in its model's official format
     jspec convert  SRC OUT --q4 [--dtype bfloat16|float32]
     jspec demo     create a small random model in HF format, reload it and generate
 
-    jspec --debug COMMAND ...   show the traceback of an error instead of one `jspec: error:` line
+    Any command: --quiet / --verbose (log levels), --compile-cache DIR / --no-compile-cache (JAX's
+    persistent compilation cache, on by default), --debug (the traceback of an error instead of one
+    `jspec: error:` line); jspec --version.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (the served distribution)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0, help="request seed; noise is keyed by (seed, position)")
@@ -43,27 +48,97 @@ def _parse_ids(text: str) -> list[int]:
         raise SystemExit(f"jspec: --prompt-ids must be comma-separated integers, got {text!r}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default (when it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "%(default)" in (action.help or "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _common_options(suppress: bool) -> argparse.ArgumentParser:
+    """Options every command takes, before or after its name (`jspec --quiet generate` = `jspec generate
+    --quiet`); the subcommands' copies default to SUPPRESS so they never undo the top level's."""
+    common = argparse.ArgumentParser(add_help=False)
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    g = common.add_argument_group("output and caching (any command)")
+    g.add_argument("--debug", action="store_true", default=d(False),
+                   help="on an error, show the full traceback instead of one `jspec: error:` message")
+    loud = g.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", default=d(False),
+                      help="only warnings and errors on stderr: no notes, no progress bars")
+    loud.add_argument("-v", "--verbose", action="store_true", default=d(False),
+                      help="also the libraries' logs (orbax, TFDS, grain, JAX compilation-cache hits)")
+    g.add_argument("--compile-cache", metavar="DIR", default=d(None),
+                   help="JAX's persistent compilation cache: a second run with the same shapes loads its programs "
+                        "instead of compiling (default: $JSPEC_COMPILE_CACHE, else ~/.cache/jspec/jax; "
+                        "JSPEC_COMPILE_CACHE=off turns it off)")
+    g.add_argument("--no-compile-cache", action="store_true", default=d(False),
+                   help="compile everything afresh and keep nothing")
+    return common
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    from jspec import __version__
+
+    def have(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{n} {have(n)}" for n in ("jax", "jaxlib", "flax", "numpy"))
+    return f"jspec {__version__} ({libs}; Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jspec.drafters import family
     from jspec.verify import rules
 
-    parser = argparse.ArgumentParser(prog="jspec", description="Lossless speculative decoding in JAX")
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, show the full traceback instead of one `jspec: error:` message")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="jspec", description="Lossless speculative decoding in JAX",
+                                     parents=[_common_options(suppress=False)], formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _common_options(suppress=True)
 
-    gen = sub.add_parser("generate", help="generate from a target checkpoint")
+    def add_parser(name, **kw):
+        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
+
+    gen = add_parser("generate", help="generate from a target checkpoint")
     gen.add_argument("--target", default=None,
                      help="Hugging Face model directory (Llama / Qwen3) or builtin:NAME "
                           "(default: builtin:code-target with the builtin:code-dflash drafter)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the checkpoint)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    src.add_argument("--input-file", metavar="JSONL",
+                     help="batch generation: one request per line, {\"prompt\": TEXT} | {\"prompt_ids\": [...]} | "
+                          "{\"messages\": [...]}, optional \"id\" (echoed) and \"seed\"; one result line each, in "
+                          "order, to --output-file (default stdout)")
+    gen.add_argument("--output-file", metavar="JSONL", default=None,
+                     help="with --input-file: where the result lines go (written atomically at the end)")
+    gen.add_argument("--batch-size", type=int, default=8,
+                     help="with --input-file: requests per compiled call")
+    gen.add_argument("--chat", action="store_true",
+                     help="render --prompt (or each JSONL prompt) as a user message through the model's chat "
+                          "template, as transformers' apply_chat_template does")
+    gen.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end a row at the first generated text containing TEXT (repeatable; the printed text "
+                          "ends before it)")
+    gen.add_argument("--stop-id", action="append", type=int, default=None, metavar="ID",
+                     help="end a row after token ID, like EOS (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help="tokens to generate per prompt (prompt + this must fit the model's context)")
     gen.add_argument("--cache-size", type=int, default=None,
                      help="KV cache rows (default: prompt + new, rounded up); a smaller cache stops the row early, "
                           "with a warning")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="the dtype the target's weights are loaded in")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _sampling_args(gen)
     sp = gen.add_argument_group("speculative decoding")
@@ -89,40 +164,74 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run on a device mesh of axes data, fsdp, model, e.g. model=4 (tensor parallel; one "
                           "prompt needs data = fsdp = 1; data takes the devices left over); default: one device")
 
-    tr = sub.add_parser("train", help="train the target LM or a drafter from a config")
+    tr = add_parser("train", help="train the target LM or a drafter from a config")
     tr.add_argument("what", choices=["target", *family.trainable()],
                     help="the target LM, or a drafter of a family with a training recipe")
     tr.add_argument("--target", help="the target model directory (drafters)")
     tr.add_argument("--config", required=True, help="training config JSON (see configs/)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, model/)")
     tr.add_argument("--steps", type=int, default=None, help="stop at this step (default: the config's)")
-    tr.add_argument("--no-progress", action="store_true")
+    tr.add_argument("--init", default=None, metavar="MODEL_DIR",
+                    help="start a new run from a checkpoint in the official format (target: a Hugging Face folder; "
+                         "DFlash: z-lab; DSpark: DeepSpec; or builtin:NAME) instead of random parameters; its config "
+                         "and tensors must be the run config's exactly (also \"init\" in the config's train section). "
+                         "A run folder that has checkpoints resumes from them and ignores it")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bars (as --quiet, keeping the notes)")
     tr.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                     help="train the target on a device mesh of axes data, fsdp, model, e.g. data=2,fsdp=4 (data "
                          "takes the devices left over); default: one device")
 
     from jspec.bench.cli import add_arguments as add_bench_arguments
 
-    bench = sub.add_parser("bench", help="measure acceptance, speed and cost of speculative decoding side by side "
+    bench = add_parser("bench", help="measure acceptance, speed and cost of speculative decoding side by side "
                                          "with plain AR and Hugging Face transformers; JSON report and PNG plots")
     add_bench_arguments(bench)
 
-    demo = sub.add_parser("demo", help="create a small random model in HF format, reload it and generate")
+    demo = add_parser("demo", help="create a small random model in HF format, reload it and generate")
     demo.add_argument("--out", default="demo_out/model", help="where to write the demo checkpoint")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate")
 
-    conv = sub.add_parser("convert", help="rewrite a checkpoint in another format: --q4 quantizes a float target "
-                                          "to affine Q4 group-64 weights (the MLX layout)")
-    conv.add_argument("src", help="float HF checkpoint folder (dense or hybrid target)")
-    conv.add_argument("out", help="folder to write (config.json, model.safetensors, tokenizer files)")
+    conv = add_parser("convert", help="rewrite a checkpoint in another format: a training run's checkpoint in the "
+                                      "official format of its model (Hugging Face target, z-lab DFlash, DeepSpec "
+                                      "DSpark); --q4 quantizes a float target to affine Q4 group-64 weights (the MLX "
+                                      "layout)")
+    conv.add_argument("src", help="a training run folder (the --out of jspec train, finished or not), or with --q4 a "
+                                  "float HF checkpoint folder (dense or hybrid target)")
+    conv.add_argument("out", help="folder to write (config.json, model.safetensors, tokenizer files); a model folder "
+                                  "there is replaced whole")
+    conv.add_argument("--step", type=int, default=None,
+                      help="the run's checkpoint of this step (default: the newest one that restores)")
     conv.add_argument("--q4", action="store_true", help="quantize every matrix whose input dimension is a multiple "
                                                         "of 64 (embeddings and LM head included); norms stay float")
     conv.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
-                      help="dtype of the scales, biases and float tensors (default: the source's)")
+                      help="dtype of the written tensors; with --q4 of the scales, biases and float tensors "
+                           "(default: the source's; a run's parameters are float32)")
     return parser
 
 
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
+
+
+def _request_kwargs(args, mesh) -> dict:
+    import jspec
+
+    return dict(max_new_tokens=args.max_new_tokens,
+                sampling=jspec.SamplingParams(args.temperature, args.top_k, args.top_p), cache_size=args.cache_size,
+                kernels=args.kernels, mesh=mesh, stop=args.stop, stop_ids=args.stop_id)
+
+
+def _chat_prompt(target, text: str, system: str | None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": text}]
+    return target.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _text(target, tokens, stops) -> str | None:
+    """The continuation's text, cut before the first stop string (the tokens keep the completing token)."""
+    from jspec.decode import stop
+
+    text = target.decode(tokens)
+    return text if text is None or not stops else stop.trim(text, stops)
 
 
 def cmd_generate(args) -> int:
@@ -134,28 +243,39 @@ def cmd_generate(args) -> int:
 
     if args.prompt is not None:
         _check_utf8(args.prompt)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat message: add --chat (the prompt becomes the user message)")
+    if args.input_file is None and (args.output_file is not None or args.batch_size != 8):
+        raise ValueError("--output-file and --batch-size go with --input-file (batch generation from JSONL)")
     mesh = _mesh(args)
-    showcase = args.target is None
+    showcase = args.target is None and args.input_file is None
     target_path = args.target or "builtin:code-target"
     drafter = args.drafter or ("builtin:code-dflash" if showcase else "none")
     compare = args.compare or showcase
-    sampling = jspec.SamplingParams(args.temperature, args.top_k, args.top_p)
     target = jspec.load_target(target_path, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    kw = _request_kwargs(args, mesh)
+    spec_kw = dict(drafter=drafter, verifier=args.verifier, block_size=args.block_size, tree_budget=args.tree_budget,
+                   verify_budget="profile" if args.verify_budget else None)
+    if args.input_file is not None:
+        if compare:
+            raise ValueError("--compare times one prompt against plain AR decoding: drop it with --input-file")
+        return _generate_jsonl(args, target, {**kw, **spec_kw})
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
+    elif args.chat:
+        if args.prompt is None:
+            raise ValueError("--chat needs --prompt TEXT (the user message) or --input-file")
+        prompt = _chat_prompt(target, args.prompt, args.system)
     else:
         prompt = target.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed], cache_size=args.cache_size,
-              kernels=args.kernels, mesh=mesh)
+    kw["seeds"] = [args.seed]
 
     def run(d):
         """The request as asked (drafter none included: jspec.generate refuses the speculative arguments it
         would ignore), or with d == "ar" the plain AR baseline of --compare."""
         if d == "ar":
             return jspec.generate(target, [prompt], **kw)
-        return jspec.generate(target, [prompt], drafter=d, verifier=args.verifier, block_size=args.block_size,
-                              tree_budget=args.tree_budget, verify_budget="profile" if args.verify_budget else None,
-                              **kw)
+        return jspec.generate(target, [prompt], **kw, **spec_kw)
 
     res = run(drafter)
     if compare:  # compile plain AR too, then time both side by side
@@ -166,11 +286,11 @@ def cmd_generate(args) -> int:
         t0 = time.perf_counter()
         ar_res = run("ar")
         ar_s = time.perf_counter() - t0
-        if ar_res.tokens != res.tokens and sampling.greedy:
+        if ar_res.tokens != res.tokens and kw["sampling"].greedy:
             raise RuntimeError("speculative and plain greedy outputs differ: please report this bug")
         res.stats.update(spec_wall_s=spec_s, ar_wall_s=ar_s, speedup=ar_s / spec_s)
     _warn_if_cut_short(res, prompt, args, target.cfg)
-    text = target.decode(res.tokens[0])
+    text = _text(target, res.tokens[0], args.stop)
     if args.json:
         out = {"tokens": res.tokens[0], "stats": res.stats}
         if text is not None:
@@ -178,15 +298,111 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
         return 0
     if showcase:
-        print(f"target {target_path}, drafter {drafter}, prompt:\n{target.decode(prompt)}", end="")
+        print(f"target {target_path}, drafter {drafter}\n--- prompt ---\n{target.decode(prompt)}\n"
+              "--- continuation ---")
     print(text if text is not None else " ".join(map(str, res.tokens[0])))
     st = res.stats
     line = f"[{st['new_tokens']} tokens, {st['rounds']} rounds, tau {st['tau']:.2f}"
     if compare:
-        line += f", {st['speedup']:.2f}x faster than plain AR in this run ({st['ar_wall_s']:.3f} s -> {st['spec_wall_s']:.3f} s)"
+        line += f", {speedup_words(st['speedup'])} than plain AR in this run ({st['ar_wall_s']:.3f} s -> " \
+                f"{st['spec_wall_s']:.3f} s)"
     else:
         line += f", {st['wall_s']:.3f} s with compilation"
     print(line + "]", file=sys.stderr if not showcase else sys.stdout)
+    return 0
+
+
+def speedup_words(ratio: float) -> str:
+    """'1.9x faster' / '0.8x (slower)': a ratio below 1 is never called faster."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{ratio:.2f}x (slower)"
+
+
+JSONL_KEYS = ("prompt", "prompt_ids", "messages", "id", "seed")
+
+
+def read_requests(path: str) -> list[dict]:
+    """The requests of a JSONL file: one JSON object per non-blank line with exactly one of "prompt" (text),
+    "prompt_ids" (token ids) or "messages" (a chat conversation), and optionally "id" and "seed". Every
+    problem is one ValueError naming the file, the line and the fix."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where} is not JSON ({err.msg}): write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object like {{\"prompt\": \"...\"}}")
+            unknown = sorted(set(row) - set(JSONL_KEYS))
+            if unknown:
+                raise ValueError(f"{where}: unknown keys {unknown} (a request has {list(JSONL_KEYS)})")
+            given = [k for k in ("prompt", "prompt_ids", "messages") if k in row]
+            if len(given) != 1:
+                raise ValueError(f"{where}: give exactly one of \"prompt\", \"prompt_ids\" or \"messages\" "
+                                 f"(got {given or 'none'})")
+            if "prompt" in row and not isinstance(row["prompt"], str):
+                raise ValueError(f"{where}: \"prompt\" must be text; token ids go in \"prompt_ids\"")
+            if "seed" in row and (isinstance(row["seed"], bool) or not isinstance(row["seed"], int)):
+                raise ValueError(f"{where}: \"seed\" must be an integer, got {row['seed']!r}")
+            out.append(dict(row, line=n))
+    if not out:
+        raise ValueError(f"{path} holds no request: write one JSON object per line, e.g. {{\"prompt\": \"def f(\"}}")
+    return out
+
+
+def _generate_jsonl(args, target, kw) -> int:
+    import logging
+
+    import jspec
+    from jspec.train import runfiles
+
+    log = logging.getLogger("jspec.cli")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    requests = read_requests(args.input_file)
+    prompts = []
+    for i, row in enumerate(requests):
+        try:
+            if "prompt_ids" in row:
+                prompts.append(row["prompt_ids"])
+            elif "messages" in row:
+                prompts.append(target.apply_chat_template(row["messages"], add_generation_prompt=True))
+            elif args.chat:
+                prompts.append(_chat_prompt(target, row["prompt"], args.system))
+            else:
+                prompts.append(target.encode(row["prompt"]))
+        except ValueError as err:
+            raise ValueError(f"{args.input_file}, line {row['line']}: {err}") from None
+    seeds = [row.get("seed", args.seed + i) for i, row in enumerate(requests)]
+    lines, new_tokens, rounds, wall = [], 0, 0, 0.0
+    for lo in range(0, len(requests), args.batch_size):
+        hi = min(lo + args.batch_size, len(requests))
+        try:
+            res = jspec.generate(target, prompts[lo:hi], seeds=seeds[lo:hi], **kw)
+        except ValueError as err:
+            raise ValueError(f"{args.input_file}, lines {requests[lo]['line']}-{requests[hi - 1]['line']}: {err}") \
+                from None
+        new_tokens, rounds, wall = new_tokens + res.stats["new_tokens"], rounds + res.stats["rounds"], \
+            wall + res.stats["wall_s"]
+        for j, tokens in enumerate(res.tokens):
+            row = requests[lo + j]
+            out = {"id": row["id"]} if "id" in row else {}
+            out.update(index=lo + j, tokens=tokens, stopped_by=res.stats["stopped_by"][j], new_tokens=len(tokens))
+            text = _text(target, tokens, args.stop)
+            if text is not None:
+                out["text"] = text
+            lines.append(json.dumps(out))
+    body = "\n".join(lines) + "\n"
+    if args.output_file is None:
+        sys.stdout.write(body)
+    else:
+        runfiles.atomic_text(args.output_file, body)
+    log.info("%d requests, %d new tokens in %d rounds (%.2f per round), %.2f s with compilation%s", len(requests),
+             new_tokens, rounds, new_tokens / max(rounds, 1), wall,
+             f"; wrote {args.output_file}" if args.output_file else "")
     return 0
 
 
@@ -222,6 +438,13 @@ def _warn_if_cut_short(res, prompt, args, cfg) -> None:
           file=sys.stderr)
 
 
+def _progress(args) -> bool:
+    """Progress bars: on unless --no-progress or --quiet."""
+    from jspec import logs
+
+    return not args.no_progress and logs.progress_enabled()
+
+
 def cmd_train(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1 (the step to stop at), got {args.steps}")
@@ -231,15 +454,15 @@ def cmd_train(args) -> int:
     if args.what == "target":
         from jspec.train import lm
 
-        model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=not args.no_progress,
-                                       mesh=_mesh(args))
+        model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=_progress(args),
+                                       mesh=_mesh(args), init=args.init)
     else:
         from jspec.train import distill
 
         if not args.target:
             raise ValueError(f"training a {args.what} drafter needs --target PATH (the trained target model)")
         model_dir = distill.train_drafter(args.what, args.config, args.target, args.out, steps=args.steps,
-                                          progress=not args.no_progress)
+                                          progress=_progress(args), init=args.init)
     print(f"trained model written to {model_dir}")
     return 0
 
@@ -250,9 +473,10 @@ def cmd_demo(args) -> int:
     import jspec
     from jspec.demo import create_demo_model
 
-    print("jspec demo: no trained built-in model exists yet, so this demo creates a small Qwen3-shaped model")
-    print("with RANDOM weights and a BPE tokenizer trained on local Python sources, saves it in Hugging Face")
-    print(f"format to {args.out}, reloads it strictly and generates. Random weights give meaningless text.\n")
+    print("jspec demo: the checkpoint round trip. It creates a small Qwen3-shaped model with RANDOM weights and a")
+    print(f"BPE tokenizer trained on local Python sources, saves it in Hugging Face format to {args.out}, reloads it")
+    print("strictly and generates: random weights give meaningless text. The trained built-in models speak")
+    print("Python: `jspec generate` (no arguments) runs them.\n")
     create_demo_model(args.out)
     target = jspec.load_target(args.out)
     print(f"reloaded {args.out}: {target.cfg.family}, {target.cfg.num_layers} layers, "
@@ -274,9 +498,20 @@ def cmd_convert(args) -> int:
     from jspec.api import resolve_path
     from jspec.io.q4 import convert_q4
 
-    if not args.q4:
-        raise ValueError("jspec convert needs a target format: --q4 (affine Q4 group-64 weights)")
     src = resolve_path(args.src)
+    is_run = os.path.isfile(os.path.join(src, "run_config.json"))
+    if not args.q4:  # a training run's checkpoint, in the official format of its model
+        from jspec.train.export import export_run
+
+        ckpt = export_run(src, args.out, step=args.step, dtype=args.dtype)
+        print(f"wrote {args.out}: the {ckpt.kind} model of step {ckpt.step} of run {src} in {ckpt.format} "
+              f"(the run's checkpoints: steps {', '.join(map(str, ckpt.steps))})")
+        return 0
+    if args.step is not None or is_run:
+        why = f"{src!r} is a training run folder" if is_run else "--step picks a checkpoint of a training run"
+        raise ValueError(f"{why}, and --q4 quantizes a float model folder: export the run's checkpoint first "
+                         "(jspec convert RUN_DIR MODEL_DIR [--step N]), then quantize that (jspec convert MODEL_DIR "
+                         "OUT --q4)")
     if os.path.abspath(src) == os.path.abspath(args.out):
         raise ValueError(f"convert {src!r} into a different folder (OUT is the source)")
     info = convert_q4(src, args.out, args.dtype)
@@ -295,6 +530,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser().parse_args(argv))
 
 
+def configure(args) -> None:
+    """Logging (--quiet / --verbose) and the persistent compilation cache (--compile-cache DIR,
+    --no-compile-cache, $JSPEC_COMPILE_CACHE), before anything compiles."""
+    from jspec import logs, platform
+
+    logs.configure(logs.QUIET if args.quiet else logs.VERBOSE if args.verbose else logs.NORMAL)
+    folder = None if args.no_compile_cache else (args.compile_cache or platform.default_compile_cache_dir())
+    if folder is not None:
+        try:
+            platform.enable_compile_cache(folder)
+        except OSError as err:  # an unwritable cache only costs compile time: say so and go on
+            import logging
+
+            logging.getLogger("jspec").warning("compilation cache %s is not usable (%s): compiling without it "
+                                               "(pass --compile-cache DIR or --no-compile-cache)", folder,
+                                               err.strerror or err)
+
+
 def run_command(args) -> int:
     """Run parsed `jspec` arguments. jspec's own errors (`jspec.errors.JspecError`: damaged checkpoints, a
     diverged training run, ...), bad values (ValueError) and file errors (OSError: a missing file, a full
@@ -305,6 +558,7 @@ def run_command(args) -> int:
     from jspec.errors import JspecError
 
     try:
+        configure(args)
         return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo,
                 "convert": cmd_convert}[args.command](args)
     except (JspecError, ValueError, FileNotFoundError, OSError) as err:  # bad input, damaged or missing files

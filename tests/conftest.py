@@ -9,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # about a fifth (subprocesses that tests start inherit the flag).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The `jspec` command keeps compiled programs in a persistent cache by default; tests that run it in-process
+# would switch the cache on for the rest of their worker (and fill the user's ~/.cache). The compile-cache
+# tests pass a folder of their own.
+os.environ["JSPEC_COMPILE_CACHE"] = "off"
 
 import pytest
 

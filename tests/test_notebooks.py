@@ -72,3 +72,49 @@ def test_bring_your_own_checkpoint_stops_and_asks_for_the_folders(tmp_path, monk
     assert all(c.execution_count is not None for c in code[: stop + 1])  # everything before ran
     assert all(c.execution_count is None for c in code[stop + 1:])  # nothing after did
     assert f"jax {jax.__version__} on " in "".join(_text(c) for c in code[:stop])
+
+
+def _install_cell() -> str:
+    nb = nbformat.read(os.path.join(COLAB, NOTEBOOKS[0]), as_version=4)
+    return next(c for c in nb.cells if c.cell_type == "code").source
+
+
+def test_every_notebook_has_the_same_install_cell_and_no_placeholder_address():
+    for name in NOTEBOOKS:
+        nb = nbformat.read(os.path.join(COLAB, name), as_version=4)
+        source = next(c for c in nb.cells if c.cell_type == "code").source
+        assert source == _install_cell(), name
+    assert "YOUR_ORG" not in _install_cell() and "github.com" not in _install_cell()
+
+
+@pytest.mark.parametrize("where", ["checkout", "wheel", "elsewhere", "nonsense"])
+def test_install_cell_installs_from_a_checkout_or_a_wheel(where, tmp_path, monkeypatch):
+    """The cell's pip command for each JSPEC_PIP, checked by pip itself (a dry run without dependencies)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    root = os.path.dirname(COLAB)
+    if where == "wheel":
+        subprocess.run([sys.executable, "-m", "pip", "wheel", root, "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path)], check=True, capture_output=True)
+        value = next(str(p) for p in tmp_path.glob("jspec-*.whl"))
+    else:
+        value = {"checkout": root, "elsewhere": str(tmp_path), "nonsense": "no-such-thing"}[where]
+    monkeypatch.setenv("JSPEC_PIP", value)
+    commands = []
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "jspec" else real_find_spec(n, *a))
+    monkeypatch.setattr(subprocess, "check_call", lambda cmd, **kw: commands.append(cmd))
+    if where in ("elsewhere", "nonsense"):
+        with pytest.raises(FileNotFoundError, match="JSPEC_PIP|no jspec checkout"):
+            exec(_install_cell(), {})
+        return
+    exec(_install_cell(), {})
+    (cmd,) = commands
+    assert cmd[-1].startswith("jspec") and f"@ file://{os.path.abspath(value)}" in cmd[-1]
+    monkeypatch.undo()
+    check = subprocess.run(cmd[:-1] + ["--dry-run", "--no-deps", "--no-build-isolation", "--report", "-", cmd[-1]],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert '"name": "jspec"' in check.stdout.replace("'", '"')

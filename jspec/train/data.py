@@ -106,7 +106,7 @@ class TextCorpus(tfds.core.GeneratorBasedBuilder):
 def build_corpus(corpus_root: str, data_dir: str, pattern: str = "**/*.py") -> str:
     """Prepare the corpus as an array_record TFDS dataset under data_dir; returns its directory."""
     builder = TextCorpus(corpus_root=corpus_root, pattern=pattern, data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare()
+    _prepare(builder)
     return builder.data_dir
 
 
@@ -169,8 +169,32 @@ class TokenSequences(tfds.core.GeneratorBasedBuilder):
 
 def build_token_dataset(splits: dict[str, str], data_dir: str) -> str:
     builder = TokenSequences(splits=splits, data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare()
+    _prepare(builder)
     return builder.data_dir
+
+
+def _prepare(builder) -> None:
+    """download_and_prepare, with TFDS's own printed lines and progress bars shown only at `--verbose`
+    (jspec.logs); one line of jspec's own says what was built."""
+    import contextlib
+    import io
+    import logging
+
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    from jspec import logs
+
+    if logs.verbose():
+        builder.download_and_prepare()
+        return
+    shown = tqdm_utils._active
+    tfds.display_progress_bar(False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            builder.download_and_prepare()
+    finally:
+        tfds.display_progress_bar(shown)
+    logging.getLogger(__name__).info("dataset %s: %s", builder.name, builder.data_dir)
 
 
 def padded_examples(examples: list[dict], seq_len: int) -> dict[str, np.ndarray]:

@@ -17,20 +17,24 @@ duration, and the distilled data and the model folder are written whole or not a
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from jspec.api import generate, load_target
 from jspec.drafters import family
 from jspec.errors import ConfigError
-from jspec.train import data, lm, losses, runfiles
+from jspec.train import data, export, lm, losses, runfiles
 from jspec.train.drafter import DrafterLoss
 from jspec.train.runconfig import ReadKeys
 from jspec.train.trainer import TrainConfig, Trainer
 from jspec.verify.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def corpus_prompts(target, ds_dir: str, split: str, count: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -47,10 +51,12 @@ def corpus_prompts(target, ds_dir: str, split: str, count: int, prompt_len: int,
     return out
 
 
-def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, seed: int, out_path: str) -> str:
+def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, seed: int, out_path: str,
+                 progress: bool = False) -> str:
     """Continue every prompt with the target (even batches greedy, odd ones at temperature 1) and save
-    tokens / length / prompt_len to an .npz file."""
+    tokens / length / prompt_len to an .npz file; progress: a progress bar over the prompts."""
     seqs, lengths, plens = [], [], []
+    bar = tqdm(total=len(prompts), disable=not progress, desc="self-distill", unit="prompt")
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         sampling = SamplingParams(0.0) if (i // batch) % 2 == 0 else SamplingParams(1.0)
@@ -58,6 +64,8 @@ def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, 
         for p, t in zip(chunk, res.tokens):
             seqs.append(p + t)
             plens.append(len(p))
+        bar.update(len(chunk))
+    bar.close()
     width = max(len(s) for s in seqs)
     tokens = np.zeros((len(seqs), width), np.int32)
     for j, s in enumerate(seqs):
@@ -148,10 +156,17 @@ def _suggest(given, wanted) -> str:
 
 
 def train_drafter(family_name: str, config_path: str, target_path: str, out_dir: str, steps: int | None = None,
-                  progress: bool = True) -> str:
+                  progress: bool = True, init: str | None = None) -> str:
     """Train a drafter of a registered family (its `TrainRecipe`) for the target; returns the model folder
-    (written by the family's `save`, so `jspec.load_drafter` reads it back)."""
+    (written by the family's `save`, so `jspec.load_drafter` reads it back).
+
+    init (or "init" in the config's train section; init wins): a checkpoint of the family in its official
+    format that a new run starts from instead of random parameters (jspec.train.export.init_drafter_params:
+    it must match the run config exactly). A run folder that has checkpoints resumes from them and ignores
+    it, saying so. The init path is not part of the run's fingerprint."""
     cfg = lm.load_run_config(config_path, "drafter")
+    config_init = cfg["train"].pop("init", None)  # a start, not a setting: kept out of the fingerprint
+    init = init if init is not None else config_init
     fam = family.get_family(family_name)
     if fam.recipe is not None and fam.recipe.data != "distilled":
         raise ValueError(f"the {family_name} recipe needs {fam.recipe.data!r} data; jspec train prepares 'distilled'")
@@ -159,6 +174,15 @@ def train_drafter(family_name: str, config_path: str, target_path: str, out_dir:
         target = load_target(target_path)
         # Before any distillation: a bad config, or a drafter that does not fit the target, fails fast.
         dr, params = build_drafter(family_name, cfg, target, config_path)
+        if init is not None:
+            steps_done = export.checkpoint_steps(out_dir)
+            if steps_done:
+                logger.warning("%s: %s has checkpoints (step %d the newest): the run resumes from them and ignores "
+                               "the init checkpoint %r (it starts new runs only)", fam.name, out_dir, steps_done[-1],
+                               init)
+            else:
+                params = export.init_drafter_params(family_name, dr, params, init, target)
+                logger.info("%s: starting from the parameters of %s", fam.name, init)
         return _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock)
 
 
@@ -169,7 +193,7 @@ def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, 
     if not os.path.exists(npz):
         ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
         prompts = corpus_prompts(target, ds_dir, "train", dist["num_prompts"], dist["prompt_len"], dist.get("seed", 0))
-        self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz)
+        self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz, progress=progress)
     tok_dir = data.build_token_dataset({"train": npz}, os.path.join(out_dir, "tfds"))
     arrays = data.padded_examples(data.read_split(tok_dir, "train"), dist["prompt_len"] + dist["new_tokens"])
     spec = drafter_loss(cfg["drafter"])
@@ -188,8 +212,8 @@ def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, 
     start = trainer.restore_latest()
     ds = data.dict_batches(arrays, cfg["data"]["batch_size"], tc.seed)
     stepped = _with_step(ds)
-    if progress:
-        print(f"{fam.name}: {len(arrays['tokens'])} distilled sequences; resuming at step {start}")
+    logger.info("%s: %d distilled sequences; %s", fam.name, len(arrays["tokens"]),
+                f"resuming at step {start}" if start else "starting at step 0")
     state = trainer.run(stepped, steps=steps, progress=progress)
     model_dir = os.path.join(out_dir, "model")
     runfiles.replace_folder(model_dir, lambda folder: fam.save(folder, dr, {**state.params, **frozen}))

@@ -11,6 +11,7 @@ refused), and tokenizer.json and the model folder are written whole or not at al
 
 from __future__ import annotations
 
+import logging
 import os
 
 import grain
@@ -24,8 +25,10 @@ from jspec.io.files import read_json_object
 from jspec.io.hf import save_params
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
-from jspec.train import data, runconfig, runfiles
+from jspec.train import data, export, runconfig, runfiles
 from jspec.train.trainer import TrainConfig, Trainer
+
+logger = logging.getLogger(__name__)
 
 EOT = "<|endoftext|>"
 
@@ -56,11 +59,33 @@ def lm_loss(params, cfg: ModelConfig, batch: jax.Array):
     return jnp.mean(nll), {"acc": acc}
 
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def builtin_configs() -> list[str]:
+    """The names of the configs shipped with the package (`jspec train --config builtin:NAME`)."""
+    return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(CONFIG_DIR) else []
+
+
+def resolve_config(path: str) -> str:
+    """'builtin:NAME' -> the packaged configs/NAME.json (FileNotFoundError listing the names); others unchanged."""
+    if not path.startswith("builtin:"):
+        return path
+    name = path.split(":", 1)[1]
+    found = os.path.join(CONFIG_DIR, name + ".json")
+    if not os.path.exists(found):
+        raise FileNotFoundError(f"no built-in training config {name!r}; built-in configs: {builtin_configs()}")
+    return found
+
+
 def load_run_config(path: str, kind: str | None = None) -> dict:
     """The run config in `path`; with kind ("target" or "drafter") every section's keys and values are
-    checked (ConfigError naming the file and each unknown or missing key)."""
+    checked (ConfigError naming the file and each unknown or missing key). 'builtin:NAME' is the config
+    of a built-in model shipped with the package (configs/NAME.json: `builtin_configs()`)."""
+    path = resolve_config(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no training config at {path!r}: see configs/ for examples")
+        raise FileNotFoundError(f"no training config at {path!r}: see configs/ for examples, or pass builtin:NAME "
+                                f"(one of {builtin_configs()})")
     cfg = read_json_object(path, error=ConfigError)
     if kind is not None:
         runconfig.check_run_config(cfg, path, kind)
@@ -96,7 +121,7 @@ def tokenized_windows(tok, ds_dir: str, split: str, seq_len: int) -> np.ndarray:
 
 
 def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None, progress: bool = True,
-                    mesh=None) -> str:
+                    mesh=None, init: str | None = None) -> str:
     """`jspec train target`: a tokenizer and a target trained from a run config; returns the model directory.
 
     mesh: None (one device) or a jax.sharding.Mesh from jspec.parallel.make_mesh, on which every process
@@ -106,27 +131,65 @@ def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None,
     can be resumed with or without one. With several processes out_dir must be one folder that every
     host sees (checkpoints are written by all processes through orbax); each host builds the text
     corpus in its own subfolder host<i>, and process 0 writes the tokenizer, the metrics and the model.
+
+    init (or "init" in the config's train section; init wins): a Hugging Face model folder (or
+    builtin:NAME) that a new run starts from instead of random parameters, and whose tokenizer.json becomes
+    the run's; its config and tensors must be the run config's model exactly
+    (jspec.train.export.init_target_params). A run folder that has checkpoints resumes from them and
+    ignores it, saying so. The init path is not part of the run's fingerprint.
     """
     cfg = load_run_config(config_path, "target")
+    config_init = cfg["train"].pop("init", None)  # a start, not a setting: kept out of the fingerprint
+    init = init if init is not None else config_init
     with runfiles.locked(out_dir, primary=parallel.is_primary()) as lock:
-        return _pretrain(cfg, out_dir, steps, progress, mesh, lock)
+        return _pretrain(cfg, out_dir, steps, progress, mesh, lock, init)
 
 
-def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock) -> str:
+def _init_start(cfg: dict, init: str) -> tuple:
+    """(tokenizer, parameters) of the init checkpoint, checked against the run config before any corpus is
+    read; the parameters come from the file (jspec.train.export.init_target_params)."""
+    tok = export.init_tokenizer(init)
+    if tok.token_to_id(EOT) is None:
+        raise CheckpointError(f"the tokenizer.json of init checkpoint {init!r} has no {EOT} token: a target run "
+                              "separates the corpus's documents with it")
+    mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
+    shapes = jax.eval_shape(lambda: transformer.init_params(mcfg, jax.random.key(0)))
+    return tok, export.init_target_params(init, mcfg, shapes)
+
+
+def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock, init: str | None = None) -> str:
+    start_from = None
+    if init is not None:
+        done = export.checkpoint_steps(out_dir)
+        if done:
+            if parallel.is_primary():
+                logger.warning("target: %s has checkpoints (step %d the newest): the run resumes from them and "
+                               "ignores the init checkpoint %r (it starts new runs only)", out_dir, done[-1], init)
+        else:
+            start_from = _init_start(cfg, init)
     work = out_dir if jax.process_count() == 1 else os.path.join(out_dir, f"host{jax.process_index()}")
     os.makedirs(work, exist_ok=True)
     ds_dir, train_files = prepare_text(cfg, work)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     if parallel.is_primary() and not os.path.exists(tok_path):
-        trained = train_tokenizer(cfg["model"]["vocab_size"], train_files)
+        trained = start_from[0] if start_from else train_tokenizer(cfg["model"]["vocab_size"], train_files)
         runfiles.atomic_file(tok_path, trained.save)
     parallel.sync("tokenizer")
     tok = load_run_tokenizer(tok_path)
+    if start_from and tok.get_vocab() != start_from[0].get_vocab():
+        raise CheckpointError(f"{tok_path} is not the tokenizer of init checkpoint {init!r}: the run folder began "
+                              "another run (that wrote no checkpoint); start from the init checkpoint in a new --out "
+                              "folder")
     mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
     seq_len, batch = cfg["data"]["seq_len"], cfg["data"]["batch_size"]
     windows = tokenized_windows(tok, ds_dir, "train", seq_len)
     tc = TrainConfig(**cfg["train"])
-    params = transformer.init_params(mcfg, jax.random.key(tc.seed), std=cfg.get("init_std", 0.02))
+    if start_from:
+        params = start_from[1]
+        if parallel.is_primary():
+            logger.info("target: starting from the parameters of %s", init)
+    else:
+        params = transformer.init_params(mcfg, jax.random.key(tc.seed), std=cfg.get("init_std", 0.02))
     fingerprint = {"kind": "target", "config": cfg}
 
     def loss(p, b):
@@ -144,10 +207,10 @@ def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock) -> str
         examples = grain.MapDataset.source(windows).shuffle(seed=tc.seed).repeat()
         batches = parallel.HostLocalBatches(examples, batch, mesh)
     start = trainer.restore_latest()
-    if progress and parallel.is_primary():
+    if parallel.is_primary():
         where = "" if mesh is None else f" on a {dict(mesh.shape)} mesh of {jax.process_count()} process(es)"
-        print(f"target {mcfg.num_params / 1e6:.2f}M parameters{where}, {len(windows)} training windows of "
-              f"{seq_len}" + (f"; resuming at step {start}" if start else ""))
+        logger.info("target %.2fM parameters%s, %d training windows of %d%s", mcfg.num_params / 1e6, where,
+                    len(windows), seq_len, f"; resuming at step {start}" if start else "")
     state = trainer.run(batches, steps=steps, progress=progress and parallel.is_primary(),
                         metrics_file=parallel.metrics_file(out_dir))
     host_params = parallel.to_host(state.params)  # collective: every process takes part

@@ -2,8 +2,9 @@
 
 A target run's config has the sections model (ModelConfig fields), data, train (TrainConfig fields) and an
 optional init_std; a drafter run's has drafter (the family recipe's settings), data, distill, train and an
-optional init_std. An unknown key (a typo such as "lerning_rate") or a missing required one is a
-ConfigError naming the file and every such key with its section, before a corpus is read or a model
+optional init_std. The train section of both may also name an official checkpoint to start from ("init":
+PATH, as `jspec train --init PATH`). An unknown key (a typo such as "lerning_rate") or a missing required
+one is a ConfigError naming the file and every such key with its section, before a corpus is read or a model
 built. The drafter section's keys are the recipe's: which ones it reads is known only once it has built
 the drafter, so `jspec.train.distill.build_drafter` checks them (with `ReadKeys`).
 """
@@ -29,7 +30,8 @@ def _fields(cls, skip=()) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 # The model's end-of-text id is the tokenizer's, set by the run: not a config key.
 _MODEL = _fields(ModelConfig, skip=("eos_token_ids",))
-_TRAIN = _fields(TrainConfig)
+# train.init: the official checkpoint a new run starts from (jspec.train.export), not a TrainConfig field.
+_TRAIN = (_fields(TrainConfig)[0], _fields(TrainConfig)[1] + ("init",))
 
 # kind -> section ("" = the top level) -> (required keys, optional keys); None: the section's keys are checked
 # elsewhere (the drafter recipe's).
@@ -103,13 +105,16 @@ def check_run_config(cfg: dict, path: str, kind: str) -> None:
     seed = cfg.get("distill", {}).get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         problems.append(f"distill.seed must be an integer >= 0, got {seed!r}")
+    init = cfg.get("train", {}).get("init")
+    if init is not None and (not isinstance(init, str) or not init):
+        problems.append(f"train.init must be the path of a checkpoint folder (a string), got {init!r}")
     std = cfg.get("init_std", 0.02)
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std <= 0:
         problems.append(f"init_std must be a finite number > 0, got {std!r}")
     if problems:
         raise ConfigError(f"training config {path}: " + "; ".join(problems))
     try:
-        TrainConfig(**cfg["train"])
+        TrainConfig(**{k: v for k, v in cfg["train"].items() if k != "init"})
         if "model" in schema:
             ModelConfig(**cfg["model"])
     except (TypeError, ValueError) as err:

@@ -49,6 +49,7 @@ class TrainConfig:
     keep: int = 2
     log_every: int = 10
     seed: int = 0
+    tensorboard: bool = False  # also write the logged scalars to RUN/tensorboard (needs tensorboardX)
 
     def __post_init__(self):
         ints = ("steps", "ckpt_every", "keep", "log_every", "seed")
@@ -57,12 +58,27 @@ class TrainConfig:
         bad += [f"{n}={getattr(self, n)!r} (a finite number)" for n in ("lr", "warmup_frac", "weight_decay", "clip")
                 if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), (int, float))
                 or not math.isfinite(getattr(self, n))]
+        if not isinstance(self.tensorboard, bool):
+            bad.append(f"tensorboard={self.tensorboard!r} (true or false)")
         if bad:
             raise ValueError("bad training config: " + ", ".join(bad))
         if (self.steps < 1 or self.lr <= 0 or not 0 <= self.warmup_frac < 1 or self.clip <= 0 or self.ckpt_every < 1
                 or self.keep < 1 or self.log_every < 1 or self.weight_decay < 0):
             raise ValueError(f"bad training config {self}: need steps, ckpt_every, keep, log_every >= 1, lr > 0, "
                              "0 <= warmup_frac < 1, clip > 0, weight_decay >= 0")
+
+
+# Train settings that change what a run reports, not what it computes: a resume may switch them.
+REPORTING_KEYS = ("tensorboard", "log_every")
+
+
+def _settings(fingerprint: dict) -> dict:
+    """A run fingerprint without the reporting keys of its config's train section."""
+    config = fingerprint.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
+        return fingerprint
+    train = {k: v for k, v in config["train"].items() if k not in REPORTING_KEYS}
+    return dict(fingerprint, config=dict(config, train=train))
 
 
 class TrainingDiverged(JspecError, ValueError):
@@ -160,7 +176,7 @@ class Trainer:
         path = os.path.join(self.run_dir, "run_config.json")
         if os.path.exists(path):
             old = read_json_object(path, error=ConfigError)
-            if old != self.fingerprint:
+            if _settings(old) != _settings(self.fingerprint):
                 diff = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
                 raise ValueError(
                     f"run directory {self.run_dir!r} was written by another configuration (differs in {diff}): "
@@ -252,20 +268,34 @@ class Trainer:
         metrics_file = metrics_file or os.path.join(self.run_dir, "metrics.jsonl")
         trim_metrics(metrics_file, start)
         bar = tqdm(range(start, end), initial=start, total=end, disable=not progress, desc="train", unit="step")
-        t0, tokens = time.perf_counter(), 0
+        # tokens_per_s: the batch tokens of the steps after this process's first one (which compiles the
+        # step) over the time since that first step ended; absent until a second step has run.
+        t0, tokens = None, 0
         first_bad = jnp.zeros((), jnp.int32)
         last_saved = self.manager.latest_step()
+        board = self._tensorboard()
         with open(metrics_file, "a") as log:
             for i in bar:
                 batch = self.shard_batch(jax.tree_util.tree_map(jnp.asarray, dataset[i]))
                 self.state, metrics, first_bad = self._step(self.state, batch, self.frozen, first_bad)
-                tokens += int(np.prod(jax.tree_util.tree_leaves(batch)[0].shape))
+                if t0 is None:
+                    jax.block_until_ready(metrics)
+                    t0 = time.perf_counter()
+                else:
+                    tokens += int(np.prod(jax.tree_util.tree_leaves(batch)[0].shape))
                 step = i + 1
                 if step % self.tc.log_every == 0 or step == end:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    m.update(step=step, tokens_per_s=tokens / (time.perf_counter() - t0))
+                    m["step"] = step
+                    if tokens:
+                        m["tokens_per_s"] = tokens / (time.perf_counter() - t0)
                     log.write(json.dumps(m) + "\n")
                     log.flush()
+                    if board is not None:
+                        for k, v in m.items():
+                            if k != "step":
+                                board.add_scalar(f"train/{k}", v, step)
+                        board.flush()
                     bar.set_postfix({k: f"{v:.3g}" for k, v in m.items() if k in ("loss", "acc", "tau")})
                 if step % self.tc.ckpt_every == 0 or step == end:
                     bad = int(first_bad)
@@ -277,7 +307,20 @@ class Trainer:
                             f"lower lr (now {self.tc.lr:g}), raise warmup_frac or lower clip, then resume or restart")
                     self.save()
                     last_saved = step
+        if board is not None:
+            board.close()
         return self.state
+
+    def _tensorboard(self):
+        """A tensorboardX SummaryWriter on RUN/tensorboard when the config asks for one (process 0 only)."""
+        if not self.tc.tensorboard or jax.process_index() != 0:
+            return None
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ConfigError("the run config sets \"tensorboard\": true but tensorboardX is not installed: "
+                              "pip install 'jspec[tensorboard]' (or set it to false)") from None
+        return SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
 
 
 def trim_metrics(path: str, step: int) -> None:
