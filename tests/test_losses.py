@@ -1,6 +1,10 @@
-"""Drafter losses: values and gradients against direct numpy computations, and their limiting cases."""
+"""Drafter losses: values and gradients against direct numpy computations, and their limiting cases.
+The block-verification loss is checked against block verification itself: the exact expected accepted
+length that `jspec.verify.exact` integrates from the rule's coin form (`block_chain_from_coins`)."""
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,8 @@ import numpy as np
 import pytest
 
 from jspec.train import losses
+from jspec.verify import exact
+from jspec.verify.chain import block_chain_from_coins
 
 RNG = np.random.default_rng(0)
 G, V = 3, 5
@@ -37,7 +43,7 @@ def np_losses(d, t, labels, mask, gamma=4.0, eta=3.0):
     kl = (pt * (lt - ld)).sum(-1)
     tv = 0.5 * np.abs(pd - pt).sum(-1)
     alpha = np.minimum(pd, pt).sum(-1)
-    lam = np.exp(-eta * alpha)
+    lam = np.exp(-eta * (alpha * mask).sum(0) / mask.sum(0))  # [G]: batch mean of alpha per position
     out = {"ce": wm(nll), "kl": wm(kl), "tv": wm(tv), "lk_hybrid": wm(lam * kl + (1 - lam) * tv),
            "lk_likelihood": wm(-np.log(alpha))}
     e2e = 0.0
@@ -47,27 +53,17 @@ def np_losses(d, t, labels, mask, gamma=4.0, eta=3.0):
             run *= mask[b, k] * (1 - tv[b, k])
             e2e -= run
     out["e2e_tv"] = e2e / 2
-    bv = 0.0
-    for b in range(2):
-        total, w_prev, alive = 0.0, 1.0, 1.0
-        for k in range(G):
-            alive *= mask[b, k]
-            total += alive * np.minimum(w_prev * pd[b, k], pt[b, k]).sum()
-            x = labels[b, k]
-            w_prev = min(1.0, w_prev * pt[b, k, x] / pd[b, k, x])  # block verification's running weight
-        bv -= np.log(total)
-    out["bv"] = bv / 2
     return out
 
 
-@pytest.mark.parametrize("name", sorted(losses.LOSSES))
+@pytest.mark.parametrize("name", sorted(set(losses.LOSSES) - {"bv"}))  # bv: against the rule, below
 def test_value_and_gradient_match_numpy(name):
     d, t, labels, mask = _case()
     fn = losses.LOSSES[name]
 
     def ours(logits):
         args = (jax.nn.log_softmax(logits), jax.nn.log_softmax(jnp.asarray(t)), jnp.asarray(labels), jnp.asarray(mask))
-        return fn(*args) if name in ("e2e_tv", "bv") else fn(*args, 4.0)
+        return fn(*args) if name == "e2e_tv" else fn(*args, 4.0)
 
     with jax.enable_x64(True):
         value, grad = jax.value_and_grad(ours)(jnp.asarray(d))
@@ -86,7 +82,8 @@ def test_value_and_gradient_match_numpy(name):
 
 def _check_lk_gradient(d, t, labels, mask, grad):
     ld0 = _logsoftmax(d)
-    lam = np.exp(-3.0 * np.minimum(np.exp(ld0), np.exp(_logsoftmax(t))).sum(-1))
+    alpha = np.minimum(np.exp(ld0), np.exp(_logsoftmax(t))).sum(-1)
+    lam = np.exp(-3.0 * (alpha * mask).sum(0) / mask.sum(0))  # one lambda per position, frozen
 
     def frozen(x):
         ld, lt = _logsoftmax(x), _logsoftmax(t)
@@ -157,3 +154,140 @@ def test_dspark_loss_and_curriculum():
     assert float(losses.domino_curriculum(2.0, 5.0, 0.0)) == 5.0
     assert float(losses.domino_curriculum(2.0, 5.0, 1.0)) == 2.0
     assert float(losses.domino_curriculum(2.0, 5.0, 0.25, fraction=0.5)) == pytest.approx(3.5)
+
+
+# --- block verification: the loss against the rule's exact enumeration -----------------------------------
+
+P_BV = np.array([0.462, 0.511, 0.028]) / 1.001  # target (DRAFTERS2.md section 10)
+Q_BV = np.array([0.375, 0.511, 0.113]) / 0.999  # drafter
+
+
+def _paths(tables: exact.Tables, g: int):
+    """Every data path x in V^g with p(x), and the rows along it: draft / target log-probs [D, g, V]
+    (float64 from the tables' float32 logs, renormalised as exact.py reads them), labels [D, g]."""
+    vocab = tables.vocab
+    paths = np.array(list(itertools.product(range(vocab), repeat=g)), np.int64)
+    prob = np.ones(len(paths))
+    d_rows, t_rows = [], []
+    for k in range(g):
+        codes = np.array([exact.code(x[:k], vocab) for x in paths])
+        prob *= tables.p(k)[codes, paths[:, k]]
+        with np.errstate(divide="ignore"):  # sparse rows: log 0 = -inf, as the rules read them
+            d_rows.append(np.log(tables.q(k)[codes]))
+            t_rows.append(np.log(tables.p(k)[codes]))
+    return paths, prob, np.stack(d_rows, 1), np.stack(t_rows, 1)
+
+
+def _bv_block_values(draft_logp, target_logp, labels):
+    """exp(-bv_loss) of each path on its own: sum_k E_k along it."""
+    one = jnp.ones(labels.shape[-1:])
+    per = jax.vmap(lambda d, t, x: losses.bv_loss(d[None], t[None], x[None], one[None]))
+    return jnp.exp(-per(draft_logp, target_logp, labels))
+
+
+def _bv_expectation(tables, g):
+    """E_{x ~ p}[sum_k E_k(x)]: the loss's per-block quantity averaged over target data paths."""
+    paths, prob, d_rows, t_rows = _paths(tables, g)
+    keep = prob > 0
+    with jax.enable_x64(True):
+        vals = _bv_block_values(jnp.asarray(d_rows[keep]), jnp.asarray(t_rows[keep]), jnp.asarray(paths[keep]))
+    return float(np.sum(prob[keep] * np.asarray(vals)))
+
+
+def test_bv_concrete_case():
+    """g = 3, the same p (target) and q (drafter) at every position: block verification accepts 2.522506
+    drafts per round (its enumeration), the loss integrates to the same; the former formula gave 2.685373."""
+    tables = exact.constant_tables(P_BV, Q_BV, depth=4)
+    rule = exact.expected_accepted(exact.chain_outputs(block_chain_from_coins, tables, 3))
+    np.testing.assert_allclose(rule, 2.522506, atol=5e-7)
+    np.testing.assert_allclose(_bv_expectation(tables, 3), rule, rtol=1e-6)
+    assert abs(rule - 2.685373) > 0.1
+    # Per path (section 10): x = (0, 0, 0) gives terms 0.913837, 0.743236, 0.604484 (loss -0.816053);
+    # x = (2, 0, 1) gives 0.913837, 1, 1.
+    lp, lq = jnp.log(jnp.asarray(P_BV, jnp.float32)), jnp.log(jnp.asarray(Q_BV, jnp.float32))
+    rows_p, rows_q = jnp.broadcast_to(lp, (2, 3, 3)), jnp.broadcast_to(lq, (2, 3, 3))
+    e, _ = losses.bv_terms(rows_q, rows_p, jnp.array([[0, 0, 0], [2, 0, 1]]))
+    np.testing.assert_allclose(e, [[0.913837, 0.743236, 0.604484], [0.913837, 1, 1]], atol=2e-6)
+    np.testing.assert_allclose(losses.bv_loss(rows_q[:1], rows_p[:1], jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3))),
+                               -0.816053, atol=2e-6)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3])
+@pytest.mark.parametrize("family", ["dirichlet", "sparse", "near", "served"])
+def test_bv_integrates_to_block_verification_acceptance(g, family):
+    """Context-dependent random tables (seeded): E_{x ~ p}[exp(-bv_loss(x))] = E[accepted drafts] of block
+    verification, integrated exactly over drafts and coins from the rule (not from the loss's formula)."""
+    rng = np.random.default_rng([g, ["dirichlet", "sparse", "near", "served"].index(family)])
+    for _ in range(2):
+        tables = exact.random_tables(rng, 3, g + 1, family)
+        rule = exact.expected_accepted(exact.chain_outputs(block_chain_from_coins, tables, g))
+        np.testing.assert_allclose(_bv_expectation(tables, g), rule, rtol=2e-6, atol=1e-6)
+
+
+def test_bv_gradient_is_the_gradient_of_block_verification_acceptance():
+    """d/d(drafter logits) of E_{x ~ p}[exp(-bv_loss(x))] (autodiff through r, m and the rows) against
+    central differences of the rule's enumerated E[accepted] (float32 tables: eps 1e-3, atol 5e-4)."""
+    g, vocab = 2, 3
+    rng = np.random.default_rng(7)
+    base = exact.random_tables(rng, vocab, g + 1, "dirichlet")
+    theta = [rng.normal(size=(vocab ** k, vocab)) for k in range(g + 1)]  # drafter logits per level
+
+    def tables_of(th):
+        logq = tuple(np.asarray(_logsoftmax(t), np.float32) for t in th)
+        return exact.Tables(base.logp, logq)
+
+    def rule_value(th):
+        return exact.expected_accepted(exact.chain_outputs(block_chain_from_coins, tables_of(th), g))
+
+    paths, prob, _, t_rows = _paths(base, g)
+    codes = [np.array([exact.code(x[:k], vocab) for x in paths]) for k in range(g)]
+
+    def loss_value(th):
+        d_rows = jnp.stack([jax.nn.log_softmax(th[k])[codes[k]] for k in range(g)], 1)
+        return jnp.sum(jnp.asarray(prob) * _bv_block_values(d_rows, jnp.asarray(t_rows), jnp.asarray(paths)))
+
+    with jax.enable_x64(True):
+        value, grad = jax.value_and_grad(loss_value)([jnp.asarray(t) for t in theta])
+    np.testing.assert_allclose(float(value), rule_value(theta), rtol=1e-6)
+    eps = 1e-3
+    for k in range(g):  # the last level never drafts
+        for idx in np.ndindex(theta[k].shape):
+            hi = [t.copy() for t in theta]
+            lo = [t.copy() for t in theta]
+            hi[k][idx] += eps
+            lo[k][idx] -= eps
+            num = (rule_value(hi) - rule_value(lo)) / (2 * eps)
+            np.testing.assert_allclose(float(grad[k][idx]), num, atol=5e-4)
+
+
+def test_bv_value_and_gradient_with_masks():
+    """The batch mean of -log sum_k alive_k E_k over blocks with a counted position (a masked position
+    ends its block, an empty block is left out), against numpy on the same E_k; its gradient against
+    central differences of the loss itself (float64)."""
+    d, t, labels, _ = _case(5)
+    mask = np.array([[1, 1, 0], [0, 0, 0]], np.float64)
+    d = np.concatenate([d, d[:1] + 0.3])
+    t = np.concatenate([t, t[:1]])
+    labels = np.concatenate([labels, labels[:1]])
+    mask = np.concatenate([mask, [[1, 1, 1]]])
+
+    @jax.jit
+    def loss(x):
+        return losses.bv_loss(jax.nn.log_softmax(x), jax.nn.log_softmax(jnp.asarray(t)), jnp.asarray(labels),
+                              jnp.asarray(mask))
+
+    with jax.enable_x64(True):
+        value, grad = jax.value_and_grad(loss)(jnp.asarray(d))
+        e, _ = losses.bv_terms(jax.nn.log_softmax(jnp.asarray(d)), jax.nn.log_softmax(jnp.asarray(t)),
+                               jnp.asarray(labels))
+        e = np.asarray(e)
+        want = -(np.log(e[0, :2].sum()) + np.log(e[2].sum())) / 2
+        np.testing.assert_allclose(float(value), want, rtol=1e-12)
+        eps, num = 1e-6, np.zeros_like(d)
+        for idx in np.ndindex(d.shape):
+            hi, lo = d.copy(), d.copy()
+            hi[idx] += eps
+            lo[idx] -= eps
+            num[idx] = (float(loss(jnp.asarray(hi))) - float(loss(jnp.asarray(lo)))) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(grad), num, atol=1e-7)
+    assert np.all(np.asarray(grad)[1] == 0)  # the empty block does not count

@@ -1,0 +1,368 @@
+"""The offline round evaluator (jspec.train.evaluate) and the EDR loss against the verification rules.
+
+A toy language model on 3 tokens (target rows depending on position and the last two tokens, drafter
+rows on the anchor, the slot and the previous token) gives, by exact enumeration of the rules' coin forms
+(`jspec.verify.exact.chain_outputs`), the law of every round and so the exact distribution of the rounds
+given each text; the loop's keyed rules are also run by Monte Carlo. Greedy is checked against the
+compiled loop on the built-in models.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.train import evaluate, losses
+from jspec.verify import exact
+from jspec.verify.chain import block_chain_from_coins, speculative_chain_from_coins
+from jspec.verify.rules import get_rule
+
+V, G, N = 3, 2, 6  # vocabulary, drafts per round, new tokens per text (y_0 .. y_5)
+PROMPT = (0, 1)
+COIN_RULES = {"speculative": speculative_chain_from_coins, "block": block_chain_from_coins}
+
+
+def _log(p):
+    with np.errstate(divide="ignore"):
+        return np.log(p)
+
+
+class Toy:
+    """Target p(y_j | y_{j-2}, y_{j-1}) = P[j, y_{j-2}, y_{j-1}] (the prompt before y_0); drafter q for slot k
+    of the round anchored at a = Q[a, k - 1, previous token] (the anchor for k = 1, else draft k - 1)."""
+
+    def __init__(self, seed: int, sparse: bool = False):
+        rng = np.random.default_rng(seed)
+        self.P = rng.dirichlet(np.ones(V) * 0.7, size=(N + G + 1, V, V))
+        self.theta = rng.normal(size=(N, G, V, V)) * 1.5  # drafter logits
+        if sparse:  # zeros on both sides: q = 0 where p > 0 and the reverse
+            self.P = self.P * (rng.random(self.P.shape) < 0.7)
+            self.P[..., 0] += 1e-3
+            self.P /= self.P.sum(-1, keepdims=True)
+            self.theta = np.where(rng.random(self.theta.shape) < 0.25, -np.inf, self.theta)
+            self.theta[..., 1] = np.maximum(self.theta[..., 1], 0.0)
+
+    def q(self, theta=None):
+        th = self.theta if theta is None else theta
+        z = np.exp(th - th.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+
+    def p_row(self, text, j):
+        """The target's distribution of token j after prompt + text[:j]."""
+        full = PROMPT + tuple(text[:j])
+        return self.P[j, full[-2], full[-1]]
+
+    def text_prob(self, text):
+        return float(np.prod([self.p_row(text, j)[text[j]] for j in range(len(text))]))
+
+    def round_tables(self, ctx):
+        """exact.Tables of the round anchored at y_a with committed text ctx = y_0..y_a."""
+        a = len(ctx) - 1
+        lp, lq = [], []
+        qa = self.q()
+        for k in range(G + 1):
+            drafts = list(itertools.product(range(V), repeat=k))
+            lp.append(np.stack([self.p_row(tuple(ctx) + d, a + 1 + k) for d in drafts]))
+            rows = [qa[a, min(k, G - 1), (tuple(ctx) + d)[-1]] for d in drafts]  # level G: never drafts
+            lq.append(np.stack(rows))
+        as32 = lambda rows: tuple(_log(x).astype(np.float32) for x in rows)
+        return exact.Tables(as32(lp), as32(lq))
+
+    def stats(self, texts, theta=None) -> evaluate.RolloutStats:
+        """RolloutStats along full texts [B, N] (rows from the model, float64)."""
+        texts = np.asarray(texts)
+        qa = self.q(theta)
+        b = len(texts)
+        lr = np.full((b, N, G), -np.inf)
+        alpha = np.zeros((b, N, G))
+        for r, y in enumerate(texts):
+            for a in range(N):
+                for k in range(1, G + 1):
+                    j = a + k
+                    if j > N - 1:
+                        continue
+                    p = self.p_row(y, j)
+                    q = qa[a, k - 1, y[j - 1]]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        lr[r, a, k - 1] = np.log(q[y[j]]) - np.log(p[y[j]])
+                    alpha[r, a, k - 1] = np.minimum(p, q).sum()
+        return evaluate.RolloutStats(np.full(b, N), lr, alpha, np.zeros((b, N, G), bool))
+
+
+@functools.lru_cache(maxsize=None)
+def _toy(seed: int, sparse: bool = False) -> Toy:
+    return Toy(seed, sparse)
+
+
+def _all_texts():
+    return [t for t in itertools.product(range(V), repeat=N)]
+
+
+class RoundLaw:
+    """F(ctx, block): the probability that the round anchored after ctx emits exactly `block`, from the
+    rule's exact enumeration (cached per context)."""
+
+    def __init__(self, toy: Toy, rule: str):
+        self.toy, self.rule, self.cache = toy, rule, {}
+
+    def __call__(self, ctx, block) -> float:
+        if ctx not in self.cache:
+            self.cache[ctx] = exact.chain_outputs(COIN_RULES[self.rule], self.toy.round_tables(ctx), G)
+        return float(self.cache[ctx][len(block)][exact.code(block, V)])
+
+
+def _exact_rounds_given_text(law: RoundLaw, toy: Toy, text):
+    """(E, Var) of the rounds given the text, by walking every segmentation of it into rounds with the
+    posterior transition F(block) / p(block) (the text after a round boundary has the target's law)."""
+    moments = np.zeros(3)  # probability, E[R], E[R^2]
+
+    def walk(a, weight, rounds):
+        if a >= N - 1:  # y_{N-1} committed: done
+            moments[:] += weight * np.array([1, rounds, rounds ** 2])
+            return
+        rest = 1.0
+        for m in range(1, G + 2):
+            if a + m > N - 1:
+                break
+            block = tuple(text[a + 1:a + 1 + m])
+            ctx = tuple(text[:a + 1])
+            t = law(ctx, block) / np.prod([toy.p_row(text, a + 1 + i)[block[i]] for i in range(m)])
+            rest -= t
+            if a + m < N - 1:
+                walk(a + m, weight * t, rounds + 1)
+            else:
+                moments[:] += weight * t * np.array([1, rounds + 1, (rounds + 1) ** 2])
+        if a + G + 1 > N - 1:  # rounds that reach past the text end there
+            moments[:] += weight * rest * np.array([1, rounds + 1, (rounds + 1) ** 2])
+
+    walk(0, 1.0, 0)
+    np.testing.assert_allclose(moments[0], 1.0, atol=1e-5)
+    return moments[1], moments[2] - moments[1] ** 2
+
+
+@pytest.mark.parametrize("rule", ["speculative", "block"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_round_law_given_the_text_is_the_rules(rule, sparse):
+    """For every committed context and every block the round may emit, F(block) / p(block) from the rule's
+    enumeration equals the evaluator's P(n = len - 1 | text) (survival differences along the block)."""
+    toy = _toy(1, sparse)
+    law = RoundLaw(toy, rule)
+    checked = 0
+    for a in range(N - G - 1):
+        for ctx in itertools.product(range(V), repeat=a + 1):
+            for tail in itertools.product(range(V), repeat=G + 1):
+                text = ctx + tail + (0,) * (N - len(ctx) - len(tail))
+                p_block = [toy.p_row(text, a + 1 + i)[tail[i]] for i in range(G + 1)]
+                probs = evaluate.length_probs(evaluate.survival(rule, toy.stats([text])))[0, a]
+                for m in range(1, G + 2):
+                    pb = np.prod(p_block[:m])
+                    if pb == 0:
+                        continue
+                    np.testing.assert_allclose(law(ctx, tail[:m]) / pb, probs[m - 1], atol=2e-5)
+                    checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("rule", ["speculative", "block"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rounds_given_text_match_enumeration(rule, sparse):
+    """Every text of 6 new tokens: the occupancy recursion's E[rounds | text] and Var[rounds | text] equal
+    the exact moments from the rule's enumeration over every segmentation of the text into rounds; the
+    mean over texts drawn from the target is E[rounds] of the rule."""
+    toy = _toy(2, sparse)
+    law = RoundLaw(toy, rule)
+    texts = [t for t in _all_texts() if toy.text_prob(t) > 0]
+    stats = toy.stats(texts)
+    got_e = evaluate.expected_rounds(rule, stats)
+    got_v = evaluate.rounds_variance(rule, stats)
+    want = np.array([_exact_rounds_given_text(law, toy, t) for t in texts])
+    np.testing.assert_allclose(got_e, want[:, 0], atol=5e-5)
+    np.testing.assert_allclose(got_v, want[:, 1], atol=5e-5)
+    assert np.ptp(got_e) > 0.5  # the texts differ
+
+
+def _monte_carlo_rounds(toy: Toy, rule: str, sims: int, seed: int) -> np.ndarray:
+    """Rounds of `sims` independent runs of the registered rule with its keyed coins, drafts drawn from q
+    afresh every round (numpy), the text generated by the runs themselves."""
+    rng = np.random.default_rng(seed)
+    verify = jax.jit(get_rule(rule).verify_chain)
+    qa = toy.q()
+    text = np.zeros((sims, N + G + 2), np.int64)
+    cum = np.cumsum(toy.P[0, PROMPT[0], PROMPT[1]])
+    text[:, 0] = np.minimum(np.searchsorted(cum, rng.random(sims), side="right"), V - 1)
+    a = np.zeros(sims, np.int64)
+    rounds = np.zeros(sims, np.int64)
+    rows = np.arange(sims)
+    seeds = jnp.asarray(rng.integers(0, 2 ** 31, sims), jnp.uint32)
+
+    def prev2(j):  # the two tokens before index j of each run's text (prompt included)
+        full = np.concatenate([np.broadcast_to(PROMPT, (sims, 2)), text], axis=1)
+        return full[rows, j], full[rows, j + 1]
+
+    while np.any(a <= N - 2):
+        live = a <= N - 2
+        drafts = np.zeros((sims, G), np.int64)
+        q_rows = np.zeros((sims, G, V))
+        p_rows = np.zeros((sims, G + 1, V))
+        for k in range(G + 1):
+            j = a + 1 + k
+            t2, t1 = prev2(np.minimum(j, N + G))
+            p_rows[:, k] = toy.P[np.minimum(j, N + G), t2, t1]
+            if k < G:
+                q_rows[:, k] = qa[np.minimum(a, N - 1), k, t1]
+                u = rng.random(sims)
+                drafts[:, k] = np.minimum((np.cumsum(q_rows[:, k], -1) < u[:, None]).sum(-1), V - 1)
+                text[rows, np.minimum(j, N + G + 1)] = drafts[:, k]  # provisional: the next row's context
+        res = verify(jnp.asarray(_log(p_rows), jnp.float32), jnp.asarray(drafts, jnp.int32),
+                     jnp.asarray(_log(q_rows), jnp.float32), seeds, jnp.asarray(len(PROMPT) + a + 1, jnp.int32))
+        n, token = np.asarray(res.n), np.asarray(res.token)
+        for k in range(G + 1):  # commit n drafts and the correction / bonus; later slots are overwritten next round
+            j = np.minimum(a + 1 + k, N + G + 1)
+            text[rows, j] = np.where(k < n, drafts[:, min(k, G - 1)], np.where(k == n, token, text[rows, j]))
+        rounds += live
+        a = np.where(live, a + n + 1, a)
+    return rounds
+
+
+@pytest.mark.parametrize("rule", ["speculative", "block"])
+def test_expected_rounds_match_the_keyed_rule(rule):
+    """E[rounds] of the keyed rule (Monte Carlo, 40000 runs, fixed seeds) against the evaluator's
+    sum over texts of p(text) E[rounds | text]. The rounds lie in [1, 5], so the mean is within 5
+    standard errors of E[rounds] except with probability ~6e-7 (normal approximation)."""
+    toy = _toy(3)
+    texts = _all_texts()
+    probs = np.array([toy.text_prob(t) for t in texts])
+    offline = float(np.sum(probs * evaluate.expected_rounds(rule, toy.stats(texts))))
+    rounds = _monte_carlo_rounds(toy, rule, 40000, seed=11)
+    se = rounds.std() / np.sqrt(len(rounds))
+    assert abs(rounds.mean() - offline) < 5 * se, (rounds.mean(), offline, se)
+    # The acceptance-rate chain (prod alpha) is an approximation: on these context-dependent rows it is off.
+    if rule == "speculative":
+        approx = float(np.sum(probs * evaluate.expected_rounds(rule, toy.stats(texts), given_text=False)))
+        assert abs(approx - offline) > 1e-3
+
+
+def test_greedy_walk_and_occupancy_agree():
+    """Greedy: the deterministic walk anchor -> anchor + n + 1 and the occupancy recursion on 0/1 survival
+    give the same rounds; a text of N tokens all drafted right takes ceil((N - 1) / (g + 1)) rounds."""
+    rng = np.random.default_rng(0)
+    hits = rng.random((50, 20, 4)) < 0.7
+    n_tok = rng.integers(1, 21, 50)
+    stats = evaluate.RolloutStats(n_tok, np.zeros(hits.shape), np.zeros(hits.shape), hits)
+    walk = evaluate.greedy_rounds(stats)
+    np.testing.assert_allclose(evaluate.expected_rounds("greedy", stats), walk)
+    assert np.all(walk[n_tok == 1] == 0)
+    full = evaluate.RolloutStats(np.array([20]), *(np.ones((1, 20, 4)),) * 2, np.ones((1, 20, 4), bool))
+    assert evaluate.greedy_rounds(full)[0] == -(-19 // 5)
+
+
+# --- EDR -------------------------------------------------------------------------------------------------
+
+
+def _edr_inputs(toy: Toy, texts, theta):
+    """jnp inputs of losses.edr_rounds for full texts: draft rows [B, N, G, V] from drafter logits theta."""
+    texts = np.asarray(texts)
+    b = len(texts)
+    t_rows = np.stack([[toy.p_row(y, j) for j in range(N)] for y in texts])  # [B, N, V]
+    prev = np.stack([[[y[min(a + k, N - 1)] for k in range(G)] for a in range(N)] for y in texts])  # [B, N, G]
+    idx_a = np.broadcast_to(np.arange(N)[None, :, None], prev.shape)
+    idx_k = np.broadcast_to(np.arange(G)[None, None], prev.shape)
+    d_logits = jnp.asarray(theta)[idx_a, idx_k, prev]  # [B, N, G, V]
+    return (jax.nn.log_softmax(d_logits), jnp.asarray(_log(t_rows)), jnp.asarray(texts), jnp.ones((b, N)))
+
+
+@pytest.mark.parametrize("rule", ["speculative", "block"])
+def test_edr_is_unbiased_for_expected_rounds(rule):
+    """Over all texts weighted by the target: sum p(text) R_EDR(text) = E[rounds] (the evaluator's exact
+    sum, itself the rule's by the tests above), while R_EDR differs from E[rounds | text] text by text.
+    The gradient in the drafter logits matches central differences of the evaluator's E[rounds]."""
+    toy = _toy(4)
+    texts = _all_texts()
+    probs = np.array([toy.text_prob(t) for t in texts])
+
+    def exact_rounds(theta):
+        return float(np.sum(probs * evaluate.expected_rounds(rule, toy.stats(texts, theta))))
+
+    with jax.enable_x64(True):
+        def edr(theta):
+            r = losses.edr_rounds(*_edr_inputs(toy, texts, theta), rule=rule)
+            return jnp.sum(jnp.asarray(probs) * r), r
+
+        (value, per_text), grad = jax.value_and_grad(edr, has_aux=True)(jnp.asarray(toy.theta))
+    np.testing.assert_allclose(float(value), exact_rounds(toy.theta), rtol=1e-10)
+    assert np.abs(np.asarray(per_text) - evaluate.expected_rounds(rule, toy.stats(texts))).max() > 0.05
+    grad = np.asarray(grad)
+    eps = 1e-5
+    for idx in [(0, 0, 0, 1), (0, 1, 2, 0), (1, 0, 1, 2), (2, 1, 0, 0), (3, 0, 2, 1), (4, 1, 1, 1)]:
+        hi, lo = toy.theta.copy(), toy.theta.copy()
+        hi[idx] += eps
+        lo[idx] -= eps
+        num = (exact_rounds(hi) - exact_rounds(lo)) / (2 * eps)
+        np.testing.assert_allclose(grad[idx], num, atol=1e-7)
+    assert np.abs(grad).max() > 1e-3
+    # Anchors at N - 1 or later never start a round: their rows get no gradient.
+    assert np.all(grad[N - 1] == 0)
+
+
+def test_edr_loss_masks_and_pools():
+    """A rollout of n tokens counts anchors a <= n - 2 only; the loss pools rounds over committed tokens;
+    a drafter equal to the target accepts everything: ceil((n - 1) / (g + 1)) rounds."""
+    toy = _toy(5)
+    texts = np.array([[0, 1, 2, 0, 1, 2], [2, 2, 1, 0, 0, 1]])
+    d, t, y, _ = _edr_inputs(toy, texts, toy.theta)
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], jnp.float32)
+    r = losses.edr_rounds(d, t, y, mask)
+    short = losses.edr_rounds(d[1:, :3], t[1:, :3], y[1:, :3], jnp.ones((1, 3)))
+    np.testing.assert_allclose(r[1], short[0], rtol=1e-6)
+    np.testing.assert_allclose(losses.edr_loss(d, t, y, mask), jnp.sum(r) / (5 + 2), rtol=1e-6)
+    # q = p at every slot: every draft is accepted.
+    idx = np.minimum(np.arange(N)[:, None] + 1 + np.arange(G)[None], N - 1)
+    same = t[:, idx]
+    full = losses.edr_rounds(same, t, y, jnp.ones((2, N)))
+    np.testing.assert_allclose(full, [2, 2], rtol=1e-6)  # ceil(5 / 3)
+
+
+# --- greedy against the compiled loop (built-in models) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    import jspec
+
+    target = jspec.load_target("builtin:code-target")
+    return target, jspec.load_drafter("builtin:code-dflash", target)
+
+
+def test_greedy_matches_the_loop(builtin):
+    """Greedy rounds from the target's text and the drafter's rows along it equal the compiled loop's,
+    row by row (3 prompts x 40 new tokens), and the texts are the plain greedy decoder's."""
+    import jspec
+    from jspec.verify.sampling import SamplingParams
+
+    target, (drafter, dparams) = builtin
+    sources = ["def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+               "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+               "import os\nimport sys\n\n\ndef main():\n    for name in os.listdir("]
+    prompts = [target.encode(s)[:16] for s in sources]
+    assert all(len(p) == 16 for p in prompts)
+    hot = SamplingParams(0.0)
+    texts, loop_rounds = [], []
+    for p in prompts:  # one row per call: the loop's rounds per row (one compilation)
+        res = jspec.generate(target, [p], max_new_tokens=40, sampling=hot, eos_ids=[], drafter=(drafter, dparams),
+                             verifier="greedy")
+        texts.append(res.tokens[0])
+        loop_rounds.append(res.stats["rounds"])
+    plain = jspec.generate(target, prompts, max_new_tokens=40, sampling=hot, eos_ids=[])
+    assert plain.tokens == texts
+    stats = evaluate.rollout_stats(target, drafter, dparams, prompts, texts, hot)
+    offline = evaluate.greedy_rounds(stats)
+    assert offline.tolist() == loop_rounds
+    np.testing.assert_allclose(evaluate.expected_rounds("greedy", stats), loop_rounds)
+    assert min(loop_rounds) < 39  # drafts were accepted
+    out = evaluate.offline_tau("greedy", stats)
+    np.testing.assert_allclose(out["tau"], 3 * 39 / sum(loop_rounds))
