@@ -395,7 +395,10 @@ def generate(
         raise RequestError("pass prompts (token ids, one list per row) or messages (one chat conversation per row), "
                            f"not {'both' if prompts is not None else 'neither'}")
     if messages is not None:
-        prompts = target.chat_prompts(messages)
+        try:
+            prompts = target.chat_prompts(messages)
+        except ValueError as err:  # ChatError: malformed messages, no template, the template's own refusal
+            raise RequestError(f"messages: {err}") from err
     if not isinstance(sampling, SamplingParams):
         raise TypeError("sampling must be a jspec SamplingParams")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -430,6 +433,8 @@ def generate(
     if kernels not in (None, "reference", "pallas", "auto"):
         raise ValueError(f"kernels must be reference, pallas or auto, got {kernels!r}")
     stop_ids = () if stop_ids is None else _check_stop_ids(stop_ids, cfg.vocab_size)
+    stop, special_ids = _special_token_stops(target, stop)
+    stop_ids = tuple(dict.fromkeys(stop_ids + special_ids))
     stop_table = _stop_table(target, stop)
     _check_on_commit(on_commit, mesh)
     plain = drafter is None or drafter == "none"
@@ -539,6 +544,28 @@ def _check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
         raise RequestError(f"stop_ids {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
                            "them; pass ids the model can emit")
     return tuple(dict.fromkeys(int(e) for e in ids))
+
+
+def _special_token_stops(target: Target, stop) -> tuple[object, tuple[int, ...]]:
+    """(the other stop strings, the ids of the special tokens named): a special token (`<|im_end|>`, `</s>`)
+    decodes to no text, so a stop string that is one stops on its id instead; one that holds a special
+    token's text among other text could never match (RequestError naming the token and the fix)."""
+    if stop is None or target.tokenizer is None or isinstance(stop, (str, bytes)):
+        return stop, ()
+    try:
+        stops = list(stop)
+    except TypeError:
+        return stop, ()
+    special = {t.content: i for i, t in target.tokenizer.get_added_tokens_decoder().items() if t.special}
+    ids = tuple(special[s] for s in stops if isinstance(s, str) and s in special)
+    rest = [s for s in stops if not (isinstance(s, str) and s in special)]
+    for s in rest:
+        inside = [name for name in special if isinstance(s, str) and name in s]
+        if inside:
+            raise RequestError(f"stop string {s!r} holds the special token {inside[0]!r}, which decodes to no text, "
+                               f"so the string can never be matched: stop on the token alone (stop=[{inside[0]!r}] or "
+                               f"stop_ids=[{special[inside[0]]}]) or on the text around it")
+    return (rest if rest else None), ids
 
 
 def _stop_table(target: Target, stop):

@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "order, to --output-file (default stdout)")
     gen.add_argument("--output-file", metavar="JSONL", default=None,
                      help="with --input-file: where the result lines go (written atomically at the end)")
-    gen.add_argument("--batch-size", type=int, default=8,
-                     help="with --input-file: requests per compiled call")
+    gen.add_argument("--batch-size", type=int, default=None,
+                     help="with --input-file: requests per compiled call (default 8)")
     gen.add_argument("--chat", action="store_true",
                      help="render --prompt (or each JSONL prompt) as a user message through the model's chat "
                           "template, as transformers' apply_chat_template does")
@@ -245,8 +245,13 @@ def cmd_generate(args) -> int:
         _check_utf8(args.prompt)
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat (the prompt becomes the user message)")
-    if args.input_file is None and (args.output_file is not None or args.batch_size != 8):
+    for text in args.stop or ():
+        _check_utf8(text, "--stop")
+    if args.input_file is None and (args.output_file is not None or args.batch_size is not None):
         raise ValueError("--output-file and --batch-size go with --input-file (batch generation from JSONL)")
+    if args.chat and args.prompt_ids is not None:
+        raise ValueError("--chat renders text through the chat template, and --prompt-ids are token ids: pass the "
+                         "user message with --prompt, or drop --chat")
     mesh = _mesh(args)
     showcase = args.target is None and args.input_file is None
     target_path = args.target or "builtin:code-target"
@@ -360,9 +365,14 @@ def _generate_jsonl(args, target, kw) -> int:
     from jspec.train import runfiles
 
     log = logging.getLogger("jspec.cli")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    batch_size = 8 if args.batch_size is None else args.batch_size
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     requests = read_requests(args.input_file)
+    if args.system is not None and any("messages" in row for row in requests):
+        line = next(row["line"] for row in requests if "messages" in row)
+        raise ValueError(f"--system adds a system message to text prompts, and {args.input_file}, line {line} is a "
+                         "whole conversation (\"messages\"): put the system message in its messages, or drop --system")
     prompts = []
     for i, row in enumerate(requests):
         try:
@@ -378,8 +388,8 @@ def _generate_jsonl(args, target, kw) -> int:
             raise ValueError(f"{args.input_file}, line {row['line']}: {err}") from None
     seeds = [row.get("seed", args.seed + i) for i, row in enumerate(requests)]
     lines, new_tokens, rounds, wall = [], 0, 0, 0.0
-    for lo in range(0, len(requests), args.batch_size):
-        hi = min(lo + args.batch_size, len(requests))
+    for lo in range(0, len(requests), batch_size):
+        hi = min(lo + batch_size, len(requests))
         try:
             res = jspec.generate(target, prompts[lo:hi], seeds=seeds[lo:hi], **kw)
         except ValueError as err:
@@ -406,8 +416,8 @@ def _generate_jsonl(args, target, kw) -> int:
     return 0
 
 
-def _check_utf8(prompt: str) -> None:
-    """--prompt arrives as the argv bytes decoded with surrogateescape: invalid UTF-8 shows up as lone
+def _check_utf8(prompt: str, option: str = "--prompt") -> None:
+    """--prompt (and --stop) arrive as the argv bytes decoded with surrogateescape: invalid UTF-8 shows up as lone
     surrogates, which no tokenizer takes. Name the byte instead."""
     try:
         prompt.encode("utf-8")
@@ -418,8 +428,9 @@ def _check_utf8(prompt: str) -> None:
             where = ""
         except UnicodeDecodeError as err:
             where = f" (byte {raw[err.start]:#04x} at offset {err.start}: {err.reason})"
-        raise ValueError(f"--prompt is not valid UTF-8 text{where}: pass UTF-8 text (e.g. convert it with iconv), "
-                         "or token ids with --prompt-ids") from None
+        fix = "or token ids with --prompt-ids" if option == "--prompt" else "or stop on token ids with --stop-id"
+        raise ValueError(f"{option} is not valid UTF-8 text{where}: pass UTF-8 text (e.g. convert it with iconv), "
+                         f"{fix}") from None
 
 
 def _warn_if_cut_short(res, prompt, args, cfg) -> None:
@@ -535,6 +546,10 @@ def configure(args) -> None:
     --no-compile-cache, $JSPEC_COMPILE_CACHE), before anything compiles."""
     from jspec import logs, platform
 
+    if args.quiet and args.verbose:
+        raise ValueError("--quiet and --verbose contradict each other: pass one of them")
+    if args.compile_cache and args.no_compile_cache:
+        raise ValueError("--compile-cache DIR and --no-compile-cache contradict each other: pass one of them")
     logs.configure(logs.QUIET if args.quiet else logs.VERBOSE if args.verbose else logs.NORMAL)
     folder = None if args.no_compile_cache else (args.compile_cache or platform.default_compile_cache_dir())
     if folder is not None:
@@ -549,14 +564,19 @@ def configure(args) -> None:
 
 
 def run_command(args) -> int:
-    """Run parsed `jspec` arguments. jspec's own errors (`jspec.errors.JspecError`: damaged checkpoints, a
+    """Run parsed `jspec` arguments (the logging and compilation-cache settings it makes last for the
+    command only). jspec's own errors (`jspec.errors.JspecError`: damaged checkpoints, a
     diverged training run, ...), bad values (ValueError) and file errors (OSError: a missing file, a full
     disk, ...) are reported as one `jspec: error: ...` message, exit code 2; `jspec --debug` re-raises
     them, showing the traceback."""
     import errno
 
+    import jax
+
+    from jspec import logs, platform
     from jspec.errors import JspecError
 
+    saved_logs, saved_cache = logs.snapshot(), platform.compile_cache_settings()
     try:
         configure(args)
         return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "demo": cmd_demo,
@@ -571,6 +591,10 @@ def run_command(args) -> int:
                 message += " (the disk is full: free some space, or write somewhere else)"
         print(f"jspec: error: {message or type(err).__name__}", file=sys.stderr)
         return 2
+    finally:  # a program running the command line in-process keeps its own logging and cache settings
+        logs.restore(saved_logs)
+        for name, value in saved_cache.items():
+            jax.config.update(name, value)
 
 
 if __name__ == "__main__":

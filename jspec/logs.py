@@ -74,6 +74,24 @@ def configure(level: int = NORMAL, stream=None) -> None:
         logging.getLogger().addHandler(library_handler)
 
 
+def snapshot() -> tuple:
+    """The logging state `configure` changes, for `restore` (a program that runs the command line in-process,
+    `jspec.cli.main([...])`, gets its own settings back)."""
+    names = ("jspec", "", *LIBRARY_LOGGERS)
+    return (_level, {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers),
+                         logging.getLogger(n).propagate) for n in names})
+
+
+def restore(state: tuple) -> None:
+    global _level
+    _level, loggers = state
+    for name, (level, handlers, propagate) in loggers.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+
+
 def verbose() -> bool:
     return _level >= VERBOSE
 

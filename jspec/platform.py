@@ -32,6 +32,15 @@ def default_compile_cache_dir() -> str | None:
     return os.path.join(base, "jspec", "jax")
 
 
+COMPILE_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                         "jax_persistent_cache_min_entry_size_bytes")
+
+
+def compile_cache_settings() -> dict:
+    """The JAX options `enable_compile_cache` sets, to put them back with `jax.config.update`."""
+    return {name: getattr(jax.config, name) for name in COMPILE_CACHE_OPTIONS}
+
+
 def enable_compile_cache(path: str) -> str:
     """Turn on JAX's persistent compilation cache in `path` for every later compilation of this process
     (before the first one: JAX reads the setting once). Every program is kept, however fast it compiled,

@@ -4,6 +4,7 @@ levels, the persistent compilation cache, batch generation from JSONL, stop stri
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import os
 import subprocess
@@ -218,3 +219,47 @@ def test_log_levels(capsys):
         logs.configure(logs.NORMAL)
         for name in logs.LIBRARY_LOGGERS:
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_the_command_leaves_logging_and_the_cache_as_it_found_them(demo_dir, tmp_path, capsys):
+    import logging
+
+    import jax
+
+    before = {n: logging.getLogger(n).level for n in ("jax", "absl", "jspec")}
+    handlers = list(logging.getLogger("jspec").handlers)
+    cache = jax.config.jax_compilation_cache_dir
+    # (JSPEC_COMPILE_CACHE is off in the suite: JAX reads its cache folder once per process, so a test
+    # that turned the cache on would leave it on for its whole worker.)
+    assert main(["generate", "--target", demo_dir, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--quiet"]) == 0
+    assert {n: logging.getLogger(n).level for n in ("jax", "absl", "jspec")} == before
+    assert logging.getLogger("jspec").handlers == handlers
+    assert jax.config.jax_compilation_cache_dir == cache
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--prompt-ids", "1,2", "--batch-size", "4"], "go with --input-file"),
+    (["--prompt-ids", "1,2", "--chat"], "--chat renders text"),
+    (["--prompt-ids", "1,2", "--quiet", "--verbose"], "not allowed with argument"),
+    (["-q", "--prompt-ids", "1,2"], None),
+    (["--prompt-ids", "1,2", "--compile-cache", "/tmp/x", "--no-compile-cache"], "contradict each other"),
+    (["--prompt-ids", "1,2", "--stop", "ab\udcff"], "--stop is not valid UTF-8 text \\(byte 0xff"),
+])
+def test_contradictory_or_ignored_options_are_refused(demo_dir, capsys, argv, match):
+    base = ["generate", "--target", demo_dir, "--max-new-tokens", "2"]
+    if match is None:  # -q before the command and -v after it: the same contradiction across the two levels
+        code = main(["-v", *base, *argv])
+        assert code == 2 and "--quiet and --verbose contradict" in capsys.readouterr().err
+        return
+    try:
+        code = main(base + argv)
+    except SystemExit as exit_:  # argparse's own refusal (exit 2)
+        code = exit_.code
+    assert code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_system_with_whole_conversations_is_refused(demo_dir, tmp_path, capsys):
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}])
+    assert main(["generate", "--target", demo_dir, "--input-file", src, "--chat", "--system", "s"]) == 2
+    assert "line 2 is a whole conversation" in capsys.readouterr().err

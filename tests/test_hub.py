@@ -254,3 +254,13 @@ def test_generation_config_eos_for_q4_and_hybrid_targets(models, tmp_path):
     (tmp_path / "hybrid" / "generation_config.json").write_text('{"eos_token_id": 4}')
     cfg, _, _ = load_model(str(tmp_path / "hybrid"))
     assert isinstance(cfg, hybrid.HybridConfig) and cfg.eos_token_ids == (2, 4)
+
+
+def test_a_mistyped_folder_is_not_looked_up_as_a_repo_id(hf_home, tmp_path, monkeypatch):
+    (tmp_path / "runs" / "code-dflash").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no folder 'runs/code-dfalsh' \(the folder 'runs' exists, and "
+                                                r"holds \['code-dflash'\]\): check the path"):
+        hub.resolve_hub_path("runs/code-dfalsh")
+    with pytest.raises(hub.HubCacheError, match="hf download org/nothing"):  # no such folder: a repo id
+        hub.resolve_hub_path("org/nothing")

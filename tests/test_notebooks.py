@@ -91,6 +91,8 @@ def test_every_notebook_has_the_same_install_cell_and_no_placeholder_address():
 def test_install_cell_installs_from_a_checkout_or_a_wheel(where, tmp_path, monkeypatch):
     """The cell's pip command for each JSPEC_PIP, checked by pip itself (a dry run without dependencies)."""
     import importlib.util
+    import pathlib
+    import shutil
     import subprocess
     import sys
 
@@ -101,6 +103,10 @@ def test_install_cell_installs_from_a_checkout_or_a_wheel(where, tmp_path, monke
         value = next(str(p) for p in tmp_path.glob("jspec-*.whl"))
     else:
         value = {"checkout": root, "elsewhere": str(tmp_path), "nonsense": "no-such-thing"}[where]
+    if where == "wheel":  # a folder with a space, as on a mounted Drive ("My Drive")
+        spaced = tmp_path / "My Drive"
+        spaced.mkdir()
+        value = shutil.copy(value, spaced)
     monkeypatch.setenv("JSPEC_PIP", value)
     commands = []
     real_find_spec = importlib.util.find_spec
@@ -112,7 +118,7 @@ def test_install_cell_installs_from_a_checkout_or_a_wheel(where, tmp_path, monke
         return
     exec(_install_cell(), {})
     (cmd,) = commands
-    assert cmd[-1].startswith("jspec") and f"@ file://{os.path.abspath(value)}" in cmd[-1]
+    assert cmd[-1].startswith("jspec") and cmd[-1].endswith(f" @ {pathlib.Path(value).resolve().as_uri()}")
     monkeypatch.undo()
     check = subprocess.run(cmd[:-1] + ["--dry-run", "--no-deps", "--no-build-isolation", "--report", "-", cmd[-1]],
                            capture_output=True, text=True)

@@ -405,3 +405,24 @@ def test_streaming_is_refused_with_a_mesh(setups):
     mesh = jspec.parallel.make_mesh(devices=jax.devices()[:1])
     with pytest.raises(RequestError, match="mesh"):
         jspec.generate(target, [[1, 2, 3]], max_new_tokens=4, on_commit=print, mesh=mesh)
+
+
+def test_a_special_tokens_text_stops_on_its_id(setups):
+    """A special token decodes to no text: a stop string that is one (`<|im_end|>`) stops on its id, and one
+    that holds one among other text, which could never match, is refused."""
+    target, _ = setups["bytelevel"]
+    free = _free(target)
+    tok = Tokenizer.from_str(target.tokenizer.to_str())
+    at = next(i for i, t in enumerate(free.tokens[0]) if i >= 3 and tok.id_to_token(t) is not None)
+    sid = free.tokens[0][at]
+    name = tok.id_to_token(sid)
+    tok.add_special_tokens([name])
+    assert tok.token_to_id(name) == sid and tok.decode([sid]) == ""
+    special = dataclasses.replace(target, tokenizer=tok)
+    by_id = jspec.generate(special, _prompts(target), max_new_tokens=NEW, eos_ids=[], stop_ids=[sid])
+    by_name = jspec.generate(special, _prompts(target), max_new_tokens=NEW, eos_ids=[], stop=[name])
+    assert by_name.tokens == by_id.tokens and by_name.stats["stopped_by"] == by_id.stats["stopped_by"]
+    assert by_name.tokens[0] == free.tokens[0][: free.tokens[0].index(sid) + 1]
+    assert by_name.stats["stopped_by"][0] == "stop"
+    with pytest.raises(RequestError, match=f"holds the special token {name!r}.*stop_ids=\\[{sid}\\]"):
+        jspec.generate(special, _prompts(target), max_new_tokens=NEW, stop=["x" + name])

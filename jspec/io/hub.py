@@ -175,4 +175,9 @@ def resolve_hub_path(spec: str) -> str:
     parsed = parse_repo_id(spec)
     if parsed is None:
         return spec
+    parent = parsed[0].split("/", 1)[0]
+    if os.path.isdir(parent) and not os.path.isdir(repo_cache_folder(parsed[0])):
+        # `runs/dflash` with `runs/` on disk and no such repo cached: a mistyped folder, not a repo id
+        raise FileNotFoundError(f"no folder {spec!r} (the folder {parent!r} exists, and holds "
+                                f"{sorted(os.listdir(parent))[:8]}): check the path")
     return resolve_repo_id(*parsed)

@@ -13,6 +13,7 @@ that the previous checkpoint is intact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -266,6 +267,7 @@ class Trainer:
     def _run(self, dataset, end: int, progress: bool, metrics_file: str | None) -> TrainState:
         start = int(self.state.step)
         metrics_file = metrics_file or os.path.join(self.run_dir, "metrics.jsonl")
+        board = self._tensorboard()  # before anything is written: a missing tensorboardX stops the run here
         trim_metrics(metrics_file, start)
         bar = tqdm(range(start, end), initial=start, total=end, disable=not progress, desc="train", unit="step")
         # tokens_per_s: the batch tokens of the steps after this process's first one (which compiles the
@@ -273,8 +275,8 @@ class Trainer:
         t0, tokens = None, 0
         first_bad = jnp.zeros((), jnp.int32)
         last_saved = self.manager.latest_step()
-        board = self._tensorboard()
-        with open(metrics_file, "a") as log:
+        with open(metrics_file, "a") as log, contextlib.closing(board) if board is not None else \
+                contextlib.nullcontext():
             for i in bar:
                 batch = self.shard_batch(jax.tree_util.tree_map(jnp.asarray, dataset[i]))
                 self.state, metrics, first_bad = self._step(self.state, batch, self.frozen, first_bad)
@@ -307,8 +309,6 @@ class Trainer:
                             f"lower lr (now {self.tc.lr:g}), raise warmup_frac or lower clip, then resume or restart")
                     self.save()
                     last_saved = step
-        if board is not None:
-            board.close()
         return self.state
 
     def _tensorboard(self):
