@@ -528,22 +528,10 @@ def stopped_by(tokens, prompt_len, length, max_new_tokens: int, cache_size: int,
 
 
 def _check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
-    """Stop ids: integers inside the vocabulary, like EOS ids."""
-    if _is_int(stop_ids) or isinstance(stop_ids, (str, bytes)):
-        raise RequestError(f"stop_ids must be a list of token ids, got {stop_ids!r}: pass e.g. [13] (stop strings "
-                           "go in stop=[...])")
-    try:
-        ids = list(np.asarray(stop_ids).reshape(-1).tolist() if hasattr(stop_ids, "dtype") else stop_ids)
-    except TypeError:
-        raise RequestError(f"stop_ids must be a list of token ids, got {stop_ids!r}") from None
-    bad = [e for e in ids if not _is_int(e)]
-    if bad:
-        raise RequestError(f"stop_ids must be integer token ids, got {bad[:8]} (stop strings go in stop=[...])")
-    out = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
-    if out:
-        raise RequestError(f"stop_ids {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
-                           "them; pass ids the model can emit")
-    return tuple(dict.fromkeys(int(e) for e in ids))
+    """Stop ids: integers inside the vocabulary, like EOS ids (duplicates dropped)."""
+    ids = _token_ids(stop_ids, "stop_ids", vocab_size, example="[13] (stop strings go in stop=[...])",
+                     emit="pass ids the model can emit")
+    return tuple(dict.fromkeys(ids))
 
 
 def _special_token_stops(target: Target, stop) -> tuple[object, tuple[int, ...]]:
@@ -666,19 +654,26 @@ def _check_seeds(seeds, batch: int) -> np.ndarray:
 
 def _check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
     """Explicit EOS ids: integers inside the vocabulary (an id the model cannot emit would never stop a row)."""
-    if _is_int(eos_ids) or isinstance(eos_ids, (str, bytes)):
-        raise RequestError(f"eos_ids must be a list of token ids, got {eos_ids!r}: pass e.g. [2], or [] for none")
+    return _token_ids(eos_ids, "eos_ids", vocab_size, example="[2], or [] for none",
+                      emit="pass ids the model can emit (e.g. tokenizer.token_to_id('</s>')), or [] for none")
+
+
+def _token_ids(value, name: str, vocab_size: int, *, example: str, emit: str) -> tuple[int, ...]:
+    """A list of token ids (a list, tuple or array of integers inside [0, vocab_size)), or a RequestError
+    naming `name`, the bad values and the fix."""
+    if _is_int(value) or isinstance(value, (str, bytes)):
+        raise RequestError(f"{name} must be a list of token ids, got {value!r}: pass e.g. {example}")
     try:
-        ids = list(np.asarray(eos_ids).reshape(-1).tolist() if hasattr(eos_ids, "dtype") else eos_ids)
+        ids = list(np.asarray(value).reshape(-1).tolist() if hasattr(value, "dtype") else value)
     except TypeError:
-        raise RequestError(f"eos_ids must be a list of token ids, got {eos_ids!r}") from None
+        raise RequestError(f"{name} must be a list of token ids, got {value!r}: pass e.g. {example}") from None
     bad = [e for e in ids if not _is_int(e)]
     if bad:
-        raise RequestError(f"eos_ids must be integer token ids, got {bad[:8]}")
+        raise RequestError(f"{name} must be integer token ids, got {bad[:8]}: pass e.g. {example}")
     out = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
     if out:
-        raise RequestError(f"eos_ids {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
-                           "them; pass ids the model can emit (e.g. tokenizer.token_to_id('</s>')), or [] for none")
+        raise RequestError(f"{name} {out[:8]} are outside the vocabulary [0, {vocab_size}): no token can ever match "
+                           f"them; {emit}")
     return tuple(int(e) for e in ids)
 
 

@@ -342,3 +342,28 @@ def test_an_interrupted_run_with_a_damaged_newest_checkpoint_exports_the_one_bef
     _assert_same(jspec.load_drafter(str(tmp_path / "out"), target)[1], export.restore_run(run, step=2).params)
     with pytest.raises(CheckpointError, match="checkpoint of step 3 in .* cannot be restored"):
         export.restore_run(str(copy), step=3)
+
+
+# --- validation tau during training ------------------------------------------------------------------------------
+
+
+def test_validation_tau_is_the_loops_greedy_tau_on_held_out_prompts(work, target_run, target, tmp_path):
+    """train.eval_every: val_tau in metrics.jsonl at every eval step, from the offline evaluator; at the
+    last step it equals the compiled loop's greedy tau with the exported drafter on the same prompts."""
+    config = _drafter_config(str(work / "corpus"), "dflash")
+    config["train"].update(steps=4, ckpt_every=4, log_every=3, eval_every=2, eval_prompts=3)
+    path = _write(tmp_path / "eval.json", config)
+    run = tmp_path / "eval-run"
+    model = distill.train_drafter("dflash", path, os.path.join(target_run[1], "model"), str(run), progress=False)
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [2, 3, 4]  # log_every 3, plus the evaluation steps
+    val = {m["step"]: m["val_tau"] for m in lines if "val_tau" in m}
+    assert sorted(val) == [2, 4]
+    ds_dir, _ = lm.prepare_text({"data": config["data"]}, str(run))
+    prompts = distill.corpus_prompts(target, ds_dir, "validation", 3, 8, 0)
+    rounds = sum(jspec.generate(target, [p], max_new_tokens=8, eos_ids=[], drafter=model,
+                                verifier="greedy").stats["rounds"] for p in prompts)
+    assert val[4] == pytest.approx(3 * 7 / rounds)  # 7 tokens per text after the prefill's first
+    target_config = _target_config(str(work / "corpus"), eval_every=2)
+    with pytest.raises(ConfigError, match="a target run has no drafter"):
+        lm.load_run_config(_write(tmp_path / "t.json", target_config), "target")

@@ -145,6 +145,29 @@ def build_drafter(family_name: str, cfg: dict, target, config_path: str | None =
     return dr, params
 
 
+def validation_tau(dr, frozen: dict, target, cfg: dict, out_dir: str, tc: TrainConfig):
+    """params -> {"val_tau": greedy tau} of the drafter on tc.eval_prompts prompts from the corpus's
+    held-out split (files no training step reads), continued greedily by the target once, here; the tau
+    of each evaluation comes from the exact offline evaluator (`jspec.train.evaluate`: equal to the
+    compiled loop's greedy tau on the same texts, without running the loop)."""
+    from jspec.train import evaluate
+
+    if getattr(dr, "kind", None) != "chain" or not hasattr(dr, "num_drafts"):
+        raise ConfigError(f"train.eval_every: the offline evaluator scores chain drafters of a fixed block "
+                          f"(DFlash, DSpark), not a {type(dr).__name__}: drop eval_every from the run config")
+    dist = cfg["distill"]
+    ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
+    prompts = corpus_prompts(target, ds_dir, "validation", tc.eval_prompts, dist["prompt_len"], dist.get("seed", 0))
+    texts = generate(target, prompts, max_new_tokens=dist["new_tokens"], eos_ids=[]).tokens
+    greedy = SamplingParams(0.0)
+
+    def run(params) -> dict:
+        stats = evaluate.rollout_stats(target, dr, {**params, **frozen}, prompts, texts, greedy)
+        return {"val_tau": evaluate.offline_tau("greedy", stats)["tau"]}
+
+    return run
+
+
 def _suggest(given, wanted) -> str:
     """'; did you mean ...' for keys of `given` spelt close to one of `wanted`."""
     pairs = []
@@ -214,7 +237,8 @@ def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, 
     stepped = _with_step(ds)
     logger.info("%s: %d distilled sequences; %s", fam.name, len(arrays["tokens"]),
                 f"resuming at step {start}" if start else "starting at step 0")
-    state = trainer.run(stepped, steps=steps, progress=progress)
+    evaluate = validation_tau(dr, frozen, target, cfg, out_dir, tc) if tc.eval_every else None
+    state = trainer.run(stepped, steps=steps, progress=progress, evaluate=evaluate)
     model_dir = os.path.join(out_dir, "model")
     runfiles.replace_folder(model_dir, lambda folder: fam.save(folder, dr, {**state.params, **frozen}))
     return model_dir

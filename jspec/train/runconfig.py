@@ -105,6 +105,9 @@ def check_run_config(cfg: dict, path: str, kind: str) -> None:
     seed = cfg.get("distill", {}).get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         problems.append(f"distill.seed must be an integer >= 0, got {seed!r}")
+    if kind == "target" and any(k in cfg.get("train", {}) for k in ("eval_every", "eval_prompts")):
+        problems.append("train.eval_every / eval_prompts report a drafter's validation tau, and a target run has "
+                        "no drafter: drop them")
     init = cfg.get("train", {}).get("init")
     if init is not None and (not isinstance(init, str) or not init):
         problems.append(f"train.init must be the path of a checkpoint folder (a string), got {init!r}")

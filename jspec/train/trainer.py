@@ -51,9 +51,13 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     tensorboard: bool = False  # also write the logged scalars to RUN/tensorboard (needs tensorboardX)
+    # Drafters: every eval_every steps (0 = never) the greedy tau of the drafter on eval_prompts held-out
+    # prompts, from the exact offline evaluator (jspec.train.evaluate), logged as val_tau.
+    eval_every: int = 0
+    eval_prompts: int = 16
 
     def __post_init__(self):
-        ints = ("steps", "ckpt_every", "keep", "log_every", "seed")
+        ints = ("steps", "ckpt_every", "keep", "log_every", "seed", "eval_every", "eval_prompts")
         bad = [f"{n}={getattr(self, n)!r} (an integer)" for n in ints
                if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int)]
         bad += [f"{n}={getattr(self, n)!r} (a finite number)" for n in ("lr", "warmup_frac", "weight_decay", "clip")
@@ -64,13 +68,14 @@ class TrainConfig:
         if bad:
             raise ValueError("bad training config: " + ", ".join(bad))
         if (self.steps < 1 or self.lr <= 0 or not 0 <= self.warmup_frac < 1 or self.clip <= 0 or self.ckpt_every < 1
-                or self.keep < 1 or self.log_every < 1 or self.weight_decay < 0):
-            raise ValueError(f"bad training config {self}: need steps, ckpt_every, keep, log_every >= 1, lr > 0, "
-                             "0 <= warmup_frac < 1, clip > 0, weight_decay >= 0")
+                or self.keep < 1 or self.log_every < 1 or self.weight_decay < 0 or self.eval_every < 0
+                or self.eval_prompts < 1):
+            raise ValueError(f"bad training config {self}: need steps, ckpt_every, keep, log_every, eval_prompts >= 1, "
+                             "eval_every >= 0, lr > 0, 0 <= warmup_frac < 1, clip > 0, weight_decay >= 0")
 
 
 # Train settings that change what a run reports, not what it computes: a resume may switch them.
-REPORTING_KEYS = ("tensorboard", "log_every")
+REPORTING_KEYS = ("tensorboard", "log_every", "eval_every", "eval_prompts")
 
 
 def _settings(fingerprint: dict) -> dict:
@@ -247,24 +252,28 @@ class Trainer:
                 f"not written ({kept}); free some space (or lower train.keep) and run the same command again "
                 "to resume") from err
 
-    def run(self, dataset, steps: int | None = None, progress: bool = True, metrics_file: str | None = None) -> TrainState:
+    def run(self, dataset, steps: int | None = None, progress: bool = True, metrics_file: str | None = None,
+            evaluate: Callable[[Any], dict] | None = None) -> TrainState:
         """Train until `steps` (default: the config's) from wherever the state is; checkpoints on the way.
 
         A non-finite loss or gradient norm stops the run with TrainingDiverged naming the step; it is
         checked before every checkpoint, so the newest checkpoint always holds a finite state. Lines of
         the metrics file for steps after the state's (logged by an earlier run that stopped before its
-        next checkpoint) are dropped first, so every step is logged once."""
+        next checkpoint) are dropped first, so every step is logged once.
+
+        evaluate: params -> dict of scalars, called every tc.eval_every steps (and at the end) and logged
+        with that step's metrics (e.g. a drafter's validation tau)."""
         end = self.tc.steps if steps is None else steps
         if isinstance(end, bool) or not isinstance(end, int) or end < 1:
             raise ValueError(f"steps must be an integer >= 1 (the step to stop at), got {end!r}")
         if self._own_lock is not None:
             self._own_lock.acquire()  # held since __init__, or again for a second run of this Trainer
         try:
-            return self._run(dataset, end, progress, metrics_file)
+            return self._run(dataset, end, progress, metrics_file, evaluate)
         finally:
             self.close()
 
-    def _run(self, dataset, end: int, progress: bool, metrics_file: str | None) -> TrainState:
+    def _run(self, dataset, end: int, progress: bool, metrics_file: str | None, evaluate=None) -> TrainState:
         start = int(self.state.step)
         metrics_file = metrics_file or os.path.join(self.run_dir, "metrics.jsonl")
         board = self._tensorboard()  # before anything is written: a missing tensorboardX stops the run here
@@ -272,7 +281,7 @@ class Trainer:
         bar = tqdm(range(start, end), initial=start, total=end, disable=not progress, desc="train", unit="step")
         # tokens_per_s: the batch tokens of the steps after this process's first one (which compiles the
         # step) over the time since that first step ended; absent until a second step has run.
-        t0, tokens = None, 0
+        t0, tokens, eval_s = None, 0, 0.0
         first_bad = jnp.zeros((), jnp.int32)
         last_saved = self.manager.latest_step()
         with open(metrics_file, "a") as log, contextlib.closing(board) if board is not None else \
@@ -286,11 +295,17 @@ class Trainer:
                 else:
                     tokens += int(np.prod(jax.tree_util.tree_leaves(batch)[0].shape))
                 step = i + 1
-                if step % self.tc.log_every == 0 or step == end:
+                evaluating = evaluate is not None and self.tc.eval_every and (
+                    step % self.tc.eval_every == 0 or step == end)
+                if step % self.tc.log_every == 0 or step == end or evaluating:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     m["step"] = step
                     if tokens:
-                        m["tokens_per_s"] = tokens / (time.perf_counter() - t0)
+                        m["tokens_per_s"] = tokens / (time.perf_counter() - t0 - eval_s)
+                    if evaluating:  # its time is not training time
+                        t_eval = time.perf_counter()
+                        m.update({k: float(v) for k, v in evaluate(self.state.params).items()})
+                        eval_s += time.perf_counter() - t_eval
                     log.write(json.dumps(m) + "\n")
                     log.flush()
                     if board is not None:
@@ -298,7 +313,7 @@ class Trainer:
                             if k != "step":
                                 board.add_scalar(f"train/{k}", v, step)
                         board.flush()
-                    bar.set_postfix({k: f"{v:.3g}" for k, v in m.items() if k in ("loss", "acc", "tau")})
+                    bar.set_postfix({k: f"{v:.3g}" for k, v in m.items() if k in ("loss", "acc", "tau", "val_tau")})
                 if step % self.tc.ckpt_every == 0 or step == end:
                     bad = int(first_bad)
                     if bad:
