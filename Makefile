@@ -50,15 +50,16 @@ builtin: $(VENV)/.base
 	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark
 	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model
 
-# Re-resolve pyproject.toml's ranges (the newest releases they admit) in fresh venvs and write the lock
-# files; run the suite on the result before committing it. A local build's label (torch 2.13.0+cpu) is
+# Re-resolve pyproject.toml's ranges (the newest releases they admit) in a fresh venv and write the lock
+# files (the test lock with setuptools, which torch needs at run time); run the suite on the result before
+# committing it. A local build's label (torch 2.13.0+cpu) is
 # dropped so the lock also holds on machines that take the same release from the registry.
 LOCK_VENV := .venv-lock
 lock:
 	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q .
 	{ echo "# The exact set \`make demo\` installs (\`make lock\` writes it from pyproject.toml's ranges)."; \
-	  $(LOCK_VENV)/bin/pip freeze --all --exclude pip --exclude jspec | sed 's/+cpu$$//'; } > requirements.lock
+	  $(LOCK_VENV)/bin/pip freeze --exclude jspec | sed 's/+cpu$$//'; } > requirements.lock
 	$(LOCK_VENV)/bin/pip install -q '.[test]'
 	{ echo "# The exact set \`make test\` installs (\`make lock\` writes it from pyproject.toml's ranges)."; \
 	  $(LOCK_VENV)/bin/pip freeze --all --exclude pip --exclude jspec | sed 's/+cpu$$//'; } > requirements-test.lock

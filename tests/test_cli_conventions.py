@@ -204,6 +204,7 @@ def test_log_levels(capsys):
     from jspec import logs
 
     log = logging.getLogger("jspec.some.module")
+    saved = logs.snapshot()
     try:
         for level, shown in ((logs.QUIET, ["jspec: warning: w"]), (logs.NORMAL, ["i", "jspec: warning: w"]),
                              (logs.VERBOSE, ["d", "i", "jspec: warning: w"])):
@@ -216,9 +217,8 @@ def test_log_levels(capsys):
             assert library == (logging.INFO if level == logs.VERBOSE else logging.ERROR)
             assert logs.progress_enabled() == (level != logs.QUIET)
     finally:
-        logs.configure(logs.NORMAL)
-        for name in logs.LIBRARY_LOGGERS:
-            logging.getLogger(name).setLevel(logging.NOTSET)
+        logs.restore(saved)
+    assert logging.getLogger("jspec").propagate and logging.getLogger("absl").level == saved[1]["absl"][0]
 
 
 def test_the_command_leaves_logging_and_the_cache_as_it_found_them(demo_dir, tmp_path, capsys):
