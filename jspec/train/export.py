@@ -39,8 +39,15 @@ from jspec.errors import CheckpointError, ConfigError, JspecError
 from jspec.io.files import read_json_object
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-# The end-of-text token of a target run's tokenizer (jspec.train.lm.EOT; lm imports this module, not back).
+# The end-of-text token of a target run's tokenizer (lm imports it from here: this module cannot import lm).
 EOT = "<|endoftext|>"
+
+
+def run_model_config(cfg: dict, tok):
+    """A target run's ModelConfig: the config's model section, EOS = the run tokenizer's end-of-text id."""
+    from jspec.models.config import ModelConfig
+
+    return ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
 HF_FORMAT = "Hugging Face (config.json, model.safetensors, tokenizer.json)"
 # Config fields an init checkpoint need not share with the run: ModelConfig fields the drafter formats do
 # not store and drafters do not use (the target's stop tokens), and DSpark's num_anchors (training anchors
@@ -250,7 +257,6 @@ def restore_run(run_dir: str, step: int | None = None) -> RunCheckpoint:
     if kind == "target":
         from jspec.io.tokenizer import load_tokenizer
         from jspec.models import transformer
-        from jspec.models.config import ModelConfig
 
         tok = load_tokenizer(run_dir)  # CheckpointError naming a damaged one
         if tok is None:
@@ -258,7 +264,7 @@ def restore_run(run_dir: str, step: int | None = None) -> RunCheckpoint:
                                   "tokenizer")
         if not isinstance(cfg.get("model"), dict):
             raise ConfigError(f"{where}: the target run's config has no model section")
-        mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
+        mcfg = run_model_config(cfg, tok)
         shapes = jax.eval_shape(lambda: transformer.init_params(mcfg, jax.random.key(0)))
         got, params = _restore_params(run_dir, shapes, tc, step, steps)
         return RunCheckpoint(run_dir, kind, got, steps, params, cfg=mcfg, tokenizer=tok)

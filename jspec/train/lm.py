@@ -26,11 +26,10 @@ from jspec.io.hf import save_params
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
 from jspec.train import data, export, runconfig, runfiles
+from jspec.train.export import EOT
 from jspec.train.trainer import TrainConfig, Trainer
 
 logger = logging.getLogger(__name__)
-
-EOT = "<|endoftext|>"
 
 
 def train_tokenizer(vocab_size: int, files: list[str]):
@@ -152,7 +151,7 @@ def _init_start(cfg: dict, init: str) -> tuple:
     if tok.token_to_id(EOT) is None:
         raise CheckpointError(f"the tokenizer.json of init checkpoint {init!r} has no {EOT} token: a target run "
                               "separates the corpus's documents with it")
-    mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
+    mcfg = export.run_model_config(cfg, tok)
     shapes = jax.eval_shape(lambda: transformer.init_params(mcfg, jax.random.key(0)))
     return tok, export.init_target_params(init, mcfg, shapes)
 
@@ -180,7 +179,7 @@ def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock, init: 
         raise CheckpointError(f"{tok_path} is not the tokenizer of init checkpoint {init!r}: the run folder began "
                               "another run (that wrote no checkpoint); start from the init checkpoint in a new --out "
                               "folder")
-    mcfg = ModelConfig(**{**cfg["model"], "eos_token_ids": (tok.token_to_id(EOT),)})
+    mcfg = export.run_model_config(cfg, tok)
     seq_len, batch = cfg["data"]["seq_len"], cfg["data"]["batch_size"]
     windows = tokenized_windows(tok, ds_dir, "train", seq_len)
     tc = TrainConfig(**cfg["train"])
