@@ -67,6 +67,25 @@ def test_draft_layer_matches_reference(block, heads, kv_heads, dtype, kernel):
 
 
 @pytest.mark.parametrize("kernel", [TPU, PORTABLE], ids=["tpu", "portable"])
+def test_causal_layer_matches_reference(kernel):
+    """A causal layer (block slot i sees slots <= i), with no window, a window inside the block (3 < 8:
+    far slots masked) and one beyond it."""
+    cfg, args = layer_inputs(8, 4, 2, jnp.float32, anchors=[[20], [30]])
+    impl, interpret = kernel
+    ref = jax.jit(lambda window, *a: ref_draft_layer(*a, window, cfg, causal=True))
+    fused = jax.jit(lambda window, *a: draft_layer(*a, window, cfg, causal=True, impl=impl, interpret=interpret,
+                                                   block_k=TILE))
+    bidirectional = jax.jit(lambda window, *a: ref_draft_layer(*a, window, cfg))
+    for window in (0, 3, 64):
+        want = ref(jnp.int32(window), *args)
+        assert_close(fused(jnp.int32(window), *args), want, jnp.float32)
+        # the mask is not a no-op: the last slot sees every slot either way, the first slot does not
+        other = bidirectional(jnp.int32(window), *args)
+        assert np.abs(np.asarray(want - other)[:, :, 0]).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(want)[:, :, -1], np.asarray(other)[:, :, -1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", [TPU, PORTABLE], ids=["tpu", "portable"])
 def test_many_blocks_per_row_padded_slots_and_tiled_heads(kernel):
     """Training's layout (3 blocks per row, one anchored at 0 with no context), a block of 5 slots
     (padded to 8 inside), one KV head per grid step and two MLP tiles."""

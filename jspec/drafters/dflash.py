@@ -7,6 +7,14 @@ anchor. The fused feature H_ctx = hidden_norm(fc(concat(taps))) is injected into
 through that layer's own k_proj / v_proj (with k_norm and RoPE at the feature's absolute position);
 H_ctx does not pass through the layer's input norm. Logits come from the target's frozen LM head.
 
+The optional knobs of the official format, applied as the official loader does (`config_from_hf`):
+- causal layers (`is_causal`; absent: the sliding layers): block slot i sees slots j <= i only;
+- a sliding window acts on absolute positions inside the block too: slots W or more apart are
+  mutually masked when the window W is shorter than the block;
+- `input_embedding_scale` s: the block input is the target's raw embedding row times s;
+- `output_multiplier` m and `final_logit_softcapping` c: draft logits l = m head(h), then
+  c tanh(l / c) when c > 0, before any temperature / top-k / top-p (`draft_logits`).
+
 Draft context cache: per draft layer, K/V of H_ctx at committed positions (rows = positions). It is
 written at `commit` from the target taps of exactly the committed rows (the old anchor and the
 accepted drafts), so rejected rows never enter it; block K/V are computed per round and never
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -64,10 +73,25 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int = 16
     anchor_predicts: bool = False
+    causal: tuple[bool, ...] = ()  # per draft layer: block slot i sees slots j <= i only; () = no such layer
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0  # c > 0: logits c tanh(l / c); 0 = off
 
     def __post_init__(self):
         # Token-level settings of the layer stack's config do not apply to a drafter's layers.
         object.__setattr__(self, "layers", dataclasses.replace(self.layers, eos_token_ids=(), bos_token_id=None))
+        causal = tuple(bool(c) for c in self.causal)
+        if causal and len(causal) != self.layers.num_layers:
+            raise ValueError(f"causal has {len(causal)} entries for {self.layers.num_layers} draft layers: "
+                             "give one per layer (or () for none)")
+        object.__setattr__(self, "causal", causal if any(causal) else ())
+        for name, zero_ok in (("input_embedding_scale", False), ("output_multiplier", False),
+                              ("final_logit_softcapping", True)):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
+                raise ValueError(f"{name} {getattr(self, name)!r} must be a finite number {'>=' if zero_ok else '>'} 0")
+            object.__setattr__(self, name, value)
 
     @property
     def num_drafts(self) -> int:
@@ -76,6 +100,10 @@ class DFlashConfig:
     @property
     def hidden_size(self) -> int:
         return self.layers.hidden_size
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        return self.causal or (False,) * self.layers.num_layers
 
 
 class DFlashNet(nn.Module):
@@ -149,20 +177,23 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).
     ctx_k, ctx_v: per layer [B, S, Hkv * Dh] context rows (positions = row index). Block a sees context rows
     strictly before its anchor (sliding layers: and j >= anchor + i - (W_s - 1) for slot i) and its
-    own block, bidirectionally; never another block. Rows no block may see are zeroed, so whatever
+    own block (bidirectionally, or causally in causal layers; a window masks slots W_s or more
+    apart: `jspec.kernels.draft.block_visible`); never another block. Rows no block may see are zeroed, so whatever
     they hold (rejected or unwritten memory) cannot leak.
     kernels: "reference" (the jnp layers below), "pallas" (the fused draft-layer kernels of
     jspec.kernels.draft, same result) or "auto" (jspec.kernels.resolve: pallas on TPU / GPU).
     kv_chunk: None reads every context row (training, differentiable); an int reads only the rows
     up to the furthest anchor, in chunks (inference: cost follows the context, not the cache size).
     """
-    if use_pallas(kernels):
-        return fused_draft.draft_stack(params, cfg.layers, embed, ctx_k, ctx_v, anchor_pos, block_tokens)
     lc = cfg.layers
-    h = quant.embed_rows(embed, block_tokens)  # [B, A, W, D]
+    h = quant.embed_rows(embed, block_tokens)  # [B, A, W, D]: the raw rows, as the official code reads them
+    if cfg.input_embedding_scale != 1.0:
+        h = (h * cfg.input_embedding_scale).astype(h.dtype)
+    if use_pallas(kernels):
+        return fused_draft.draft_stack(params, lc, h, ctx_k, ctx_v, anchor_pos, cfg.causal)
     for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
         h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc,
-                                        kv_chunk)
+                                        kv_chunk, cfg.layer_causal[i])
     return layers.rms_norm(h, params["norm"], lc.rms_norm_eps)
 
 
@@ -219,6 +250,18 @@ def target_head(target_params: dict, target_cfg, hidden: jax.Array) -> jax.Array
     return tm.logits(target_params, target_cfg, hidden)
 
 
+def draft_logits(target_params: dict, target_cfg, cfg: DFlashConfig, hidden: jax.Array) -> jax.Array:
+    """The drafter's logits [..., V] of final-normed draft hidden states: the target's head, times
+    `output_multiplier`, soft-capped by `final_logit_softcapping` (the official `compute_logits`)."""
+    logits = target_head(target_params, target_cfg, hidden)
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        cap = cfg.final_logit_softcapping
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlash(Drafter):
     cfg: DFlashConfig | None = None
@@ -263,7 +306,7 @@ class DFlash(Drafter):
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
         hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos,
                              kernels=self.kernels)
-        return target_head(ctx.target_params, ctx.target_cfg, draft_slots(hidden, self.cfg))
+        return draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, draft_slots(hidden, self.cfg))
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
         logits = self.logits(dparams, state, ctx)
@@ -307,27 +350,97 @@ def validate_against_target(cfg: DFlashConfig, target_cfg: ModelConfig) -> None:
 
 
 # --- checkpoints: the z-lab format -----------------------------------------------------------------
-# config.json = Qwen3 fields of the draft stack (`num_hidden_layers` = draft depth) plus `block_size` (top
-# level, or inside `dflash_config` in DFlash2 releases), `num_target_layers`, `layer_types`,
-# `dflash_config: {mask_token_id, target_layer_ids}`; tensors `fc.weight [H, n*H]`, `hidden_norm.weight`,
-# `norm.weight`, `layers.i.*` (no `model.` prefix, no embedding or LM head). The older naming
-# `encoder.fc.*` / `encoder.output_norm_enc.*` is read as `fc.*` / `hidden_norm.*`. `block_size` counts
-# the anchor.
+# config.json = Qwen3 fields of the draft stack (`num_hidden_layers` = draft depth) plus `block_size`,
+# `num_target_layers`, `layer_types`, optional top-level `is_causal`, and `dflash_config: {mask_token_id,
+# target_layer_ids, ...}`; tensors `fc.weight [H, n*H]`, `hidden_norm.weight`, `norm.weight`, `layers.i.*`
+# (no `model.` prefix, no embedding or LM head). The older naming `encoder.fc.*` /
+# `encoder.output_norm_enc.*` is read as `fc.*` / `hidden_norm.*`. `block_size` counts the anchor.
+# Settings are read as the official loader reads them: `dflash_config[key]`, else the top-level key, else
+# the default (`_draft_value`); `is_causal` only at the top level.
 
 _OLD_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+# dflash_config keys with their defaults in the official loader (None: required)
+_DRAFT_KEYS = {"mask_token_id": None, "target_layer_ids": None, "block_size": 16, "input_embedding_scale": 1.0,
+               "output_multiplier": 1.0, "final_logit_softcapping": None}
+# dflash_config keys of drafters that share this layout but compute something else
+_OTHER_SYSTEMS = {
+    "DFlash2 (dynamic convolutions and a candidate-pair selector)": (
+        "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+    "Domino (a GRU prefix correction)": ("projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len",
+                                         "shift_label"),
+}
+
+
+def _draft_value(hf: dict, dc: dict, key: str, where: str):
+    """dflash_config's value, else the top level's, else the default; two differing values are refused."""
+    if key in dc and key in hf and dc[key] != hf[key]:
+        raise CheckpointError(f"{where}: {key} is {hf[key]!r} at the top level but {dc[key]!r} in dflash_config; "
+                              "the official loader uses dflash_config's: make the two agree (or drop one)")
+    return dc.get(key, hf.get(key, _DRAFT_KEYS[key]))
+
+
+def _refuse_other_systems(hf: dict, dc: dict, where: str) -> None:
+    archs = hf.get("architectures") or []
+    for system, keys in _OTHER_SYSTEMS.items():
+        found = [k for k in keys if k in dc]
+        if found or (system.startswith("DFlash2") and "DFlash2DraftModel" in archs):
+            raise CheckpointError(f"{where}: this is a {system} checkpoint (architectures {archs}, dflash_config "
+                                  f"keys {found}), which jspec does not implement; loading it as plain DFlash "
+                                  "would draft from another model. Use a DFlash checkpoint")
+    unknown = sorted(set(dc) - set(_DRAFT_KEYS))
+    if unknown:
+        raise CheckpointError(f"{where}: dflash_config has settings jspec does not implement: {unknown} "
+                              f"(known: {sorted(_DRAFT_KEYS)}); remove them only if they do not change the model")
 
 
 def config_from_hf(hf: dict) -> DFlashConfig:
     where = "DFlash config"
     (dc,) = required(hf, "dflash_config", where=where)
-    mask, ids = required(dc, "mask_token_id", "target_layer_ids", where=where + " (dflash_config)")
-    block = hf.get("block_size", dc.get("block_size"))
-    if block is None:
-        raise CheckpointError(f"{where}: no block_size at the top level or in dflash_config")
+    if not isinstance(dc, dict):
+        raise CheckpointError(f"{where}: dflash_config must be an object, not {type(dc).__name__}")
+    _refuse_other_systems(hf, dc, where)
+    value = lambda key: _draft_value(hf, dc, key, where)
+    mask, ids = value("mask_token_id"), value("target_layer_ids")
+    if mask is None or ids is None:
+        missing = [k for k, v in (("mask_token_id", mask), ("target_layer_ids", ids)) if v is None]
+        raise CheckpointError(f"{where}: config.json lacks required fields {missing} (in dflash_config)")
     (n_target,) = required(hf, "num_target_layers", where=where)
-    return DFlashConfig(layers=stack_config(hf), target_layer_ids=tuple(int(i) for i in ids),
-                        num_target_layers=int(n_target), mask_token_id=int(mask), block_size=int(block),
-                        anchor_predicts=False)
+    layers_cfg = stack_config(hf)
+    if "is_causal" in hf:
+        if not isinstance(hf["is_causal"], bool):
+            raise CheckpointError(f"{where}: is_causal must be true or false, not {hf['is_causal']!r}")
+        causal = (hf["is_causal"],) * layers_cfg.num_layers
+    else:  # the official rule without the key: sliding layers are causal inside the block
+        causal = tuple(t == "sliding_attention" for t in layers_cfg.all_layer_types)
+    try:
+        return DFlashConfig(layers=layers_cfg, target_layer_ids=tuple(int(i) for i in ids),
+                            num_target_layers=int(n_target), mask_token_id=int(mask), block_size=int(value("block_size")),
+                            anchor_predicts=False, causal=causal,
+                            input_embedding_scale=value("input_embedding_scale"),
+                            output_multiplier=value("output_multiplier"),
+                            final_logit_softcapping=value("final_logit_softcapping") or 0.0)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def hf_settings(cfg: DFlashConfig) -> dict:
+    """The config.json fields that describe cfg's block attention and logits, in the official form:
+    top-level `is_causal` (left out where the official rule for its absence gives the same layers) and
+    the non-default `dflash_config` knobs."""
+    out: dict = {"dflash_config": {}}
+    sliding = tuple(t == "sliding_attention" for t in cfg.layers.all_layer_types)
+    causal = cfg.layer_causal
+    if causal != sliding:
+        if len(set(causal)) != 1:
+            raise ValueError(f"causal layers {list(causal)} cannot be written in the DFlash format: is_causal "
+                             "applies to every layer, and without it exactly the sliding layers are causal")
+        out["is_causal"] = causal[0]
+    for key in ("input_embedding_scale", "output_multiplier"):
+        if getattr(cfg, key) != 1.0:
+            out["dflash_config"][key] = getattr(cfg, key)
+    if cfg.final_logit_softcapping:
+        out["dflash_config"]["final_logit_softcapping"] = cfg.final_logit_softcapping
+    return out
 
 
 def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DFlashConfig, dict]:
@@ -347,9 +460,11 @@ def save_checkpoint(path: str, cfg: DFlashConfig, params: dict, dtype=None) -> N
         raise ValueError("the z-lab DFlash format stores block_size counting the anchor: save an "
                          "anchor_predicts drafter with jspec.drafters.dspark.save_checkpoint")
     config = stack_hf(cfg.layers)
+    settings = hf_settings(cfg)
     config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=cfg.block_size,
-                  num_target_layers=cfg.num_target_layers,
-                  dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
+                  num_target_layers=cfg.num_target_layers, **{k: v for k, v in settings.items() if k != "dflash_config"},
+                  dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                                 **settings["dflash_config"]})
     write_checkpoint(path, config, export_tensors(params, declared_tensors(declarations(cfg)), dtype))
 
 
@@ -406,7 +521,7 @@ def train_loss(params, target_params, target_cfg, drafter: DFlash, spec, batch: 
     anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
     labels, mask, p_t = train_drafter.block_targets(cfg.num_drafts, tokens, loss_mask, target_logp, anchors, valid)
     hidden = train_hidden(params, cfg, target_params["embed"], taps, tokens, anchors)
-    draft_logp = jax.nn.log_softmax(target_head(target_params, target_cfg, hidden), axis=-1)
+    draft_logp = jax.nn.log_softmax(draft_logits(target_params, target_cfg, cfg, hidden), axis=-1)
     loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
 

@@ -39,9 +39,12 @@ wq [Hq*Dh, D], wk / wv [Hkv*Dh, D], wo [D, Hq*Dh], w_gate / w_up [F, D], w_down 
 [Dh], attn_norm / mlp_norm [D]), the layer's context cache ctx_k / ctx_v [B, S, Hkv * Dh] (row =
 position, heads flattened), anchor_pos [B, A], window: int32 scalar (0 = full).
 Context row j is visible to slot i of a block anchored at p iff j < p and (window == 0 or
-j > p + i - window); rows >= p are never read into the result. Block slots see each other without a
-window. `draft_layer` runs the kernels under a `custom_vjp` whose backward pass is the reference's,
-so it also works under `jax.grad` (training normally uses the reference).
+j > p + i - window); rows >= p are never read into the result. Inside the block (`block_visible`) slot
+j is visible to slot i iff (not causal or j <= i) and, with a window, i - j < window (and, unless
+causal, j - i < window): the window acts on absolute positions, so for window < W block slots that
+far apart do not see each other. `causal` is a static per-layer flag. `draft_layer` runs the
+kernels under a `custom_vjp` whose backward pass is the reference's, so it also works under
+`jax.grad` (training normally uses the reference).
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
-from jspec.models import quant
 from jspec.models.attention import empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
@@ -69,24 +71,45 @@ from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
 _MIB = 1 << 20
 
 
-def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None) -> jax.Array:
+def block_visible(q_slot, k_slot, window, causal: bool):
+    """Is block slot k_slot visible to slot q_slot (both at positions anchor + slot)? window: int32
+    (0 = full); causal: static. Every slot sees itself."""
+    near = (window == 0) | (q_slot - k_slot < window)
+    if causal:
+        return near & (k_slot <= q_slot)
+    return near & ((window == 0) | (k_slot - q_slot < window))
+
+
+def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None,
+                    causal: bool = False) -> jax.Array:
     """One DFlash draft layer in pure jnp, as `dflash.draft_blocks` computes it: [B, A, W, D].
 
     kv_chunk: None attends over every context row in one block (static shapes, differentiable:
     training); an int reads the context in chunks of that many rows, only up to the furthest anchor
     of the batch (a dynamic trip count, an online softmax in float32): inference, whose cost then
     follows the committed context instead of the cache's size."""
-    b, a, w, _ = h.shape
-    h = h.reshape(b, a * w, -1)
+    eps = cfg.rms_norm_eps
+    h = h + ref_block_attention(rms_norm(h, lp["attn_norm"], eps), lp, ctx_k, ctx_v, anchor_pos, window, cfg,
+                                kv_chunk, causal)
+    return h + swiglu(rms_norm(h, lp["mlp_norm"], eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
+def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None,
+                        causal: bool = False) -> jax.Array:
+    """The attention sublayer of a draft layer, o_proj included, residual not: [B, A, W, D] from the
+    normed block inputs x [B, A, W, D] (queries and block keys / values; the context K / V come from
+    ctx_k / ctx_v). Arguments as `ref_draft_layer`."""
+    b, a, w, _ = x.shape
+    x = x.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
     inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
     anchors = jnp.repeat(anchor_pos, w, axis=1)  # [B, T]: the anchor of each slot's block
-    group = jnp.repeat(jnp.arange(a), w)
-    same_block = jnp.broadcast_to(group[:, None] == group[None, :], (b, a * w, a * w))
+    group, slot = jnp.repeat(jnp.arange(a), w), jnp.tile(jnp.arange(w), a)
+    in_block = (group[:, None] == group[None, :]) & block_visible(slot[:, None], slot[None, :], window, causal)
+    same_block = jnp.broadcast_to(in_block, (b, a * w, a * w))
     hq, hkv, dh, eps, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, a * w
     s = ctx_k.shape[1]
 
-    x = rms_norm(h, lp["attn_norm"], eps)
     q = linear(x, lp["wq"]).reshape(b, t, hq, dh)
     kb = linear(x, lp["wk"]).reshape(b, t, hkv, dh)
     vb = linear(x, lp["wv"]).reshape(b, t, hkv, dh)
@@ -128,10 +151,7 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
         chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
         _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
         attn = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype).reshape(b, t, hq * dh)
-    h = h + linear(attn, lp["wo"])
-    x = rms_norm(h, lp["mlp_norm"], eps)
-    h = h + swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"])
-    return h.reshape(b, a, w, -1)
+    return linear(attn, lp["wo"]).reshape(b, a, w, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +163,12 @@ class _Options:
     kv_heads: int | None
     block_f: int | None
     block_rows: int
+    causal: bool
 
 
-def draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, *, impl: str | None = None,
-                interpret: Any = None, block_k: int | None = None, kv_heads: int | None = None,
-                block_f: int | None = None, block_rows: int = 256) -> jax.Array:
+def draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, *, causal: bool = False,
+                impl: str | None = None, interpret: Any = None, block_k: int | None = None,
+                kv_heads: int | None = None, block_f: int | None = None, block_rows: int = 256) -> jax.Array:
     """One draft layer by the fused kernels; same contract and result as `ref_draft_layer`.
 
     impl / interpret: see `jspec.kernels.pallas_setup`. block_k: context rows per tile (TPU: a multiple
@@ -158,19 +179,20 @@ def draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, *, im
     dividing F whose gate + up + down tiles fit the generation's `mlp_step_bytes`). block_rows: MLP
     rows per program on TPU."""
     impl, interpret = pallas_setup(impl, interpret)
-    opts = _Options(cfg, impl, interpret, block_k, kv_heads, block_f, block_rows)
+    opts = _Options(cfg, impl, interpret, block_k, kv_heads, block_f, block_rows, causal)
     return _fused(opts, h, lp, ctx_k, ctx_v, jnp.asarray(anchor_pos, jnp.int32), jnp.asarray(window, jnp.int32))
 
 
-def draft_stack(params: dict, cfg: ModelConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                anchor_pos: jax.Array, block_tokens: jax.Array, **options) -> jax.Array:
+def draft_stack(params: dict, cfg: ModelConfig, h: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                anchor_pos: jax.Array, causal: tuple[bool, ...] = (), **options) -> jax.Array:
     """`dflash.draft_blocks` with every layer fused: final-normed hidden states [B, A, W, D].
 
     params: the drafter's parameters (per-layer `layers`, `norm`); cfg: its layer stack's config;
-    ctx_k / ctx_v per layer [B, S, Hkv * Dh]; block_tokens [B, A, W]; options: as `draft_layer`."""
-    h = quant.embed_rows(embed, block_tokens)
+    h [B, A, W, D]: the block inputs (embedded); ctx_k / ctx_v per layer [B, S, Hkv * Dh]; causal: per
+    layer (() = none); options: as `draft_layer`."""
     for i, lp in enumerate(params["layers"]):
-        h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg, **options)
+        h = draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(cfg.windows[i]), cfg,
+                        causal=bool(causal and causal[i]), **options)
     return rms_norm(h, params["norm"], cfg.rms_norm_eps)
 
 
@@ -186,7 +208,8 @@ def _fused_fwd(opts, h, lp, ctx_k, ctx_v, anchor_pos, window):
 def _fused_bwd(opts, res, grad):
     h, lp, ctx_k, ctx_v, anchor_pos, window = res
     # Recompute through the reference: kernels have no transpose rule, and training is not the hot path.
-    _, vjp = jax.vjp(lambda *x: ref_draft_layer(*x, anchor_pos, window, opts.cfg), h, lp, ctx_k, ctx_v)
+    _, vjp = jax.vjp(lambda *x: ref_draft_layer(*x, anchor_pos, window, opts.cfg, causal=opts.causal),
+                     h, lp, ctx_k, ctx_v)
     return (*vjp(grad), None, None)
 
 
@@ -218,7 +241,7 @@ def _forward(opts: _Options, h, lp, ctx_k, ctx_v, anchor_pos, window):
         lp["wq"], lp["wk"], lp["wv"], lp["wo"],
         ctx_k, ctx_v,
     )
-    common = dict(cfg=cfg, a=a, w=w, dt=dt)
+    common = dict(cfg=cfg, a=a, w=w, dt=dt, causal=opts.causal)
     mlp = (row(lp["mlp_norm"]), lp["w_gate"], lp["w_up"], lp["w_down"])
     if opts.impl == "tpu":
         tiles = tpu_tiles()
@@ -271,9 +294,19 @@ def _context_mask(rows, hi, window, wp: int, group: int = 1):
     return (rows < hi) & ((window == 0) | (rows > hi + slot - window))
 
 
+def _block_mask(w: int, wp: int, window, causal: bool, group: int = 1):
+    """[group * Wp, Wp] visibility of the block's keys to its slots (stacked for `group` heads): padded
+    slots (>= w) are nobody's keys; the rest as `block_visible`."""
+    q_slot = lax.broadcasted_iota(jnp.int32, (wp, 1), 0)
+    if group > 1:
+        q_slot = jnp.concatenate([q_slot] * group, axis=0)
+    k_slot = lax.broadcasted_iota(jnp.int32, (1, wp), 1)
+    return (k_slot < w) & block_visible(q_slot, k_slot, window, causal)
+
+
 def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, qn_ref, kn_ref, rot_ref,
                      wq_ref, wk_ref, wv_ref, wo_ref, kc_ref, vc_ref, out_ref, x_s, q_s, m_s, l_s, acc_s, o_s, *,
-                     hk, group, dh, wp, w, eps, block_k, num_tiles, num_groups, scale, dt):
+                     hk, group, dh, wp, w, eps, block_k, num_tiles, num_groups, scale, dt, causal):
     ba, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi, window = lo_ref[ba], hi_ref[ba], win_ref[0]
     first, last = _tiles.context_tiles(lo, hi, block_k, num_tiles)
@@ -288,7 +321,7 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
     @pl.when(j == 0)
     def _block():
         x, rot = x_s[...], rot_ref[...]
-        keys = lax.broadcasted_iota(jnp.int32, (1, wp), 1) < w  # padded slots are nobody's keys
+        keys = _block_mask(w, wp, window, causal, group)
         for c in range(hk):
             qs, k, v = _project(x, wq_ref, wk_ref, wv_ref, qn_ref[...], kn_ref[...], cos_ref[...], sin_ref[...], rot,
                                 c, group, dh, eps, dt)
@@ -321,7 +354,8 @@ def _attn_tpu_kernel(lo_ref, hi_ref, win_ref, h_ref, cos_ref, sin_ref, an_ref, q
             out_ref[...] = (h_ref[...] + o_s[...].astype(dt)).astype(out_ref.dtype)
 
 
-def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k, interpret, tiles: TpuTiles):
+def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, causal, hk, block_k, interpret,
+                   tiles: TpuTiles):
     hp, cos, sin, an, qn, kn, rot, wq, wk, wv, wo, kc, vc = tensors
     ba, wp, d = hp.shape
     s = kc.shape[1]
@@ -365,7 +399,8 @@ def _attn_tpu_call(scalars, tensors, *, cfg: ModelConfig, a, w, dt, hk, block_k,
     scratch_bytes = 4 * (hk * group * wp * (dh + 2 * _tiles.STAT_LANES) + 2 * wp * d)
     need = sum(2 * r * c * jnp.dtype(t).itemsize for r, c, t in blocks) + scratch_bytes
     kernel = functools.partial(_attn_tpu_kernel, hk=hk, group=group, dh=dh, wp=wp, w=w, eps=cfg.rms_norm_eps,
-                               block_k=block_k, num_tiles=num_tiles, num_groups=num_groups, scale=dh**-0.5, dt=dt)
+                               block_k=block_k, num_tiles=num_tiles, num_groups=num_groups, scale=dh**-0.5, dt=dt,
+                               causal=causal)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(ba, num_groups, num_tiles),
@@ -435,7 +470,8 @@ def _proj_gpu_kernel(h_ref, cos_ref, sin_ref, an_ref, qn_ref, kn_ref, rot_ref, w
         v_ref[...] = v.astype(v_ref.dtype)
 
 
-def _attn_gpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, w, block_k, scale, dt):
+def _attn_gpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, w, block_k, scale, dt,
+                     causal):
     """One q head of one query block: its block's keys (bidirectional), then the visible context."""
     i = pl.program_id(0)
     lo, hi, window = lo_ref[i], hi_ref[i], win_ref[0]
@@ -443,7 +479,7 @@ def _attn_gpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_
     wp, dh = q_ref.shape
     first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
     q = q_ref[...]
-    keys = lax.broadcasted_iota(jnp.int32, (1, wp), 1) < w  # padded slots are nobody's keys
+    keys = _block_mask(w, wp, window, causal)
     state = _tiles.attend(_tiles.init_stats(wp, dh), q, kb_ref[...], vb_ref[...], keys, scale)
 
     def tile(t, state):
@@ -493,7 +529,7 @@ def _matmul_residual(x, wmat, r, gt: GpuTiles, interpret):
     )(x, wmat, r)
 
 
-def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt: GpuTiles, interpret):
+def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, causal, block_k, gt: GpuTiles, interpret):
     """The whole layer on GPU: projection, attention, o_proj + residual, gate / up, down + residual."""
     hp, cos, sin, an, qn, kn, rot, wq, wk, wv, wo, kc, vc = tensors
     ba, wp, d = hp.shape
@@ -526,7 +562,7 @@ def _layer_gpu(scalars, tensors, mlp, *, cfg: ModelConfig, a, w, dt, block_k, gt
     s = kc.shape[1]
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
     attn = pl.pallas_call(
-        functools.partial(_attn_gpu_kernel, w=w, block_k=block_k, scale=dh**-0.5, dt=dt),
+        functools.partial(_attn_gpu_kernel, w=w, block_k=block_k, scale=dh**-0.5, dt=dt, causal=causal),
         grid=(ba, hq),
         in_specs=[*(whole(x) for x in scalars), pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h)),
                   pl.BlockSpec((None, wp, dh), lambda i, h: (i, 0, h // group)),

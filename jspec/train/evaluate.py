@@ -200,7 +200,7 @@ def _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, a
         return logits
     if isinstance(drafter, dflash.DFlash):
         hid = dflash.train_hidden(dparams, drafter.cfg, target_params["embed"], taps, tokens, anchors)
-        return dflash.target_head(target_params, target_cfg, hid)
+        return dflash.draft_logits(target_params, target_cfg, drafter.cfg, hid)
     raise TypeError(f"offline statistics cover DFlash and DSpark drafters, not {type(drafter).__name__}")
 
 
