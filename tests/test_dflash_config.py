@@ -212,7 +212,7 @@ def test_is_causal_rules(target):
 
 
 @pytest.mark.parametrize("changes, needles", [
-    (dict(architectures=["DFlash2DraftModel"]), ["DFlash2", "does not implement"]),
+    (dict(architectures=["DFlash2DraftModel"]), ["DFlash2", "would draft from another model", "dflash2 family"]),
     (dict(dflash_config=dict(selector_rank=256, selector_top_k=16)), ["DFlash2", "selector_rank", "selector_top_k"]),
     (dict(dflash_config=dict(projector_type="domino", emb_dim=256)), ["Domino", "projector_type"]),
     (dict(dflash_config=dict(is_causal=True)), ["settings jspec does not implement: ['is_causal']"]),

@@ -186,15 +186,20 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     up to the furthest anchor, in chunks (inference: cost follows the context, not the cache size).
     """
     lc = cfg.layers
-    h = quant.embed_rows(embed, block_tokens)  # [B, A, W, D]: the raw rows, as the official code reads them
-    if cfg.input_embedding_scale != 1.0:
-        h = (h * cfg.input_embedding_scale).astype(h.dtype)
+    h = block_embeddings(cfg, embed, block_tokens)
     if use_pallas(kernels):
         return fused_draft.draft_stack(params, lc, h, ctx_k, ctx_v, anchor_pos, cfg.causal)
     for i, lp in enumerate(params["layers"]):  # the kernels' pure-jnp reference is the one draft layer
         h = fused_draft.ref_draft_layer(h, lp, ctx_k[i], ctx_v[i], anchor_pos, jnp.int32(lc.windows[i]), lc,
                                         kv_chunk, cfg.layer_causal[i])
     return layers.rms_norm(h, params["norm"], lc.rms_norm_eps)
+
+
+def block_embeddings(cfg: DFlashConfig, embed, block_tokens: jax.Array) -> jax.Array:
+    """The block inputs [..., W, D]: the target's raw embedding rows (as the official code reads them)
+    times `input_embedding_scale`."""
+    h = quant.embed_rows(embed, block_tokens)
+    return h if cfg.input_embedding_scale == 1.0 else (h * cfg.input_embedding_scale).astype(h.dtype)
 
 
 def block_inputs(cfg: DFlashConfig, anchor_tokens: jax.Array) -> jax.Array:
@@ -379,26 +384,37 @@ def _draft_value(hf: dict, dc: dict, key: str, where: str):
     return dc.get(key, hf.get(key, _DRAFT_KEYS[key]))
 
 
-def _refuse_other_systems(hf: dict, dc: dict, where: str) -> None:
+def is_dflash2_config(hf: dict) -> bool:
+    """A DFlash2 config.json: its architecture, or DFlash2 settings in dflash_config."""
+    dc = hf.get("dflash_config")
+    keys = _OTHER_SYSTEMS["DFlash2 (dynamic convolutions and a candidate-pair selector)"]
+    return "DFlash2DraftModel" in (hf.get("architectures") or []) or (
+        isinstance(dc, dict) and any(k in dc for k in keys))
+
+
+def _refuse_other_systems(hf: dict, dc: dict, where: str, own_keys: tuple[str, ...]) -> None:
     archs = hf.get("architectures") or []
     for system, keys in _OTHER_SYSTEMS.items():
-        found = [k for k in keys if k in dc]
-        if found or (system.startswith("DFlash2") and "DFlash2DraftModel" in archs):
+        found = [k for k in keys if k in dc and k not in own_keys]
+        if found or (system.startswith("DFlash2") and "DFlash2DraftModel" in archs and not own_keys):
+            fix = ("load the folder as a drafter (the dflash2 family reads it)" if system.startswith("DFlash2")
+                   else "use a DFlash checkpoint")
             raise CheckpointError(f"{where}: this is a {system} checkpoint (architectures {archs}, dflash_config "
-                                  f"keys {found}), which jspec does not implement; loading it as plain DFlash "
-                                  "would draft from another model. Use a DFlash checkpoint")
-    unknown = sorted(set(dc) - set(_DRAFT_KEYS))
+                                  f"keys {found}); reading it as plain DFlash would draft from another model: {fix}")
+    unknown = sorted(set(dc) - set(_DRAFT_KEYS) - set(own_keys))
     if unknown:
         raise CheckpointError(f"{where}: dflash_config has settings jspec does not implement: {unknown} "
-                              f"(known: {sorted(_DRAFT_KEYS)}); remove them only if they do not change the model")
+                              f"(known: {sorted(set(_DRAFT_KEYS) | set(own_keys))}); remove them only if they do "
+                              "not change the model")
 
 
-def config_from_hf(hf: dict) -> DFlashConfig:
-    where = "DFlash config"
+def config_from_hf(hf: dict, own_keys: tuple[str, ...] = (), where: str = "DFlash config") -> DFlashConfig:
+    """The DFlash backbone of a z-lab config.json. own_keys: the dflash_config settings that a format
+    built on this one (DFlash2) reads itself."""
     (dc,) = required(hf, "dflash_config", where=where)
     if not isinstance(dc, dict):
         raise CheckpointError(f"{where}: dflash_config must be an object, not {type(dc).__name__}")
-    _refuse_other_systems(hf, dc, where)
+    _refuse_other_systems(hf, dc, where, own_keys)
     value = lambda key: _draft_value(hf, dc, key, where)
     mask, ids = value("mask_token_id"), value("target_layer_ids")
     if mask is None or ids is None:
@@ -547,7 +563,7 @@ def _example(target) -> tuple[DFlash, dict]:
     return _build(EXAMPLE_RUN, target, jax.random.key(0))
 
 
-register_family(Family(name="dflash", drafter=DFlash, detect=lambda hf: "dflash_config" in hf, load=_load,
-                       save=_save, with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss),
+register_family(Family(name="dflash", drafter=DFlash,
+                       detect=lambda hf: "dflash_config" in hf and not is_dflash2_config(hf), load=_load, save=_save, with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss),
                        example=_example,
                        summary="z-lab DFlash: config.json with a dflash_config section"))

@@ -39,9 +39,10 @@ class Declared(nn.LogicallyPartitioned):
     transpose: bool = struct.field(pytree_node=False, default=False)
 
 
-# normal(std), constants, and log(uniform(0.01, 16)): the log decay rates of Gated DeltaNet layers
-# (A_log), as transformers initialises them.
-INITIALIZERS = {"normal", "ones", "zeros", "log_uniform"}
+# normal(std), constants, log(uniform(0.01, 16)): the log decay rates of Gated DeltaNet layers (A_log),
+# as transformers initialises them, and "first_tap": convolution kernels [..., K, C] that pass their
+# input through (tap 0 = 1, later taps 0; DFlash2's base kernels).
+INITIALIZERS = {"normal", "ones", "zeros", "log_uniform", "first_tap"}
 
 
 def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], init: str, hf: str, *,
@@ -56,6 +57,8 @@ def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
             value = jnp.ones(shape, dtype)
         elif init == "zeros":
             value = jnp.zeros(shape, dtype)
+        elif init == "first_tap":
+            value = jnp.zeros(shape, dtype).at[..., 0, :].set(1)
         elif init == "log_uniform":
             value = jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
         else:
