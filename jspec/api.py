@@ -264,7 +264,8 @@ DEFAULT_BLOCK_SIZE = 4  # draft tokens per round of a drafter that takes any blo
 
 def load_drafter(spec_or_path, target: Target, *, block_size: int | None = None, tree_budget: int = 0):
     """A drafter and its parameters, at this draft shape (`Family.with_shape`), from:
-    - a registered family's name for parameter-free drafters ("lookup");
+    - a registered family's name for drafters built from the name alone: "lookup" (parameter-free), "mtp"
+      (the target's own multi-token-prediction module, read from the target's checkpoint folder);
     - a checkpoint folder or "builtin:NAME": the one registered family whose `detect` accepts its
       config.json loads it (z-lab DFlash, DeepSpec DSpark, a small HF causal LM sharing the target's
       tokenizer, or any family registered with jspec.drafters.register_family);
@@ -278,7 +279,9 @@ def load_drafter(spec_or_path, target: Target, *, block_size: int | None = None,
         return spec_or_path
     if isinstance(spec_or_path, str) and spec_or_path in family.named():
         fam = family.get_family(spec_or_path)
-        return _with_shape(fam, fam.lookup(target), block_size, tree_budget, spec_or_path), ()
+        found = fam.lookup(target)  # a Drafter, or (Drafter, params) read from the target's checkpoint (MTP)
+        dr, params = found if isinstance(found, tuple) else (found, ())
+        return _with_shape(fam, dr, block_size, tree_budget, spec_or_path), params
     if isinstance(spec_or_path, str):
         path = resolve_path(spec_or_path)
         if os.path.isdir(path):
@@ -346,7 +349,8 @@ def generate(
     {"role", "content"} dicts), rendered through the target's chat template with the generation prompt
     (`Target.chat_prompts`, exactly as transformers' apply_chat_template). Give one of the two.
 
-    drafter: None (plain autoregressive decoding), "lookup", an HF directory of a small LM with the
+    drafter: None (plain autoregressive decoding), "lookup", "mtp" (the target checkpoint's own
+    multi-token-prediction module: Qwen3.5 / Qwen3-Next), an HF directory of a small LM with the
     target's tokenizer, a Drafter instance, or a (Drafter, params) pair. verifier: "greedy" (the
     default at temperature 0), "gumbel" (the default otherwise), "speculative" or "block".
     verify_budget: None, "profile" (time the target's verify pass now and build the table), or a

@@ -218,7 +218,8 @@ def start(params, dparams, cfg: ModelConfig, drafter: Drafter, dcfg: ar.DecodeCo
     width = drafter.num_drafts + 1
     dcfg = dataclasses.replace(dcfg, scratch_rows=width)
     core, taps = ar.prefill(params, cfg, dcfg, prompts, prompt_len, seeds, taps=drafter.taps)
-    dstate = drafter.init(dparams, PrefillInfo(prompts, prompt_len, taps), dcfg.cache_size + width)
+    dstate = drafter.init(dparams, PrefillInfo(prompts, prompt_len, taps, target_params=params, target_cfg=cfg),
+                          dcfg.cache_size + width)
     return SpecState(core, dstate, SpecStats.zeros(prompts.shape[0], drafter.max_depth))
 
 

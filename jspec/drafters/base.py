@@ -52,6 +52,9 @@ class PrefillInfo:
     prompts: jax.Array  # [B, P] right-padded
     prompt_len: jax.Array  # [B]
     taps: jax.Array | None  # [n_taps, B, P, D] target taps over the prompt (when the drafter asks)
+    target_params: Any = dataclasses.field(default=None, kw_only=True)  # the frozen target's parameters, as in
+    # DraftContext (drafters that embed the prompt with the target's embedding, e.g. MTP)
+    target_cfg: Any = dataclasses.field(default=None, kw_only=True, metadata=dict(static=True))  # its config
 
 
 @jax.tree_util.register_dataclass

@@ -2,8 +2,8 @@
 
 Inside the loop a drafter is its `Drafter` object (jspec.drafters.base). Around it, a `Family` says how
 such drafters are found and made: how to recognise their checkpoints (`detect` on the HF config.json),
-`load` and `save` them, build one from its name alone (`lookup`, for parameter-free drafters such as
-prompt lookup), set its draft shape (`with_shape`: block size, tree budget) and, optionally, how to train
+`load` and `save` them, build one from its name alone (`lookup`: parameter-free drafters such as
+prompt lookup, or a module the target's own checkpoint carries, such as MTP), set its draft shape (`with_shape`: block size, tree budget) and, optionally, how to train
 one (`TrainRecipe`). Parameter declarations (shapes, initialisers, logical sharding axes) belong to the
 drafter's network module and reach sharding through `Drafter.param_axes`.
 
@@ -59,7 +59,8 @@ class Family:
         serve (its config, tokenizer), or None when a checkpoint is only converted (then skip the
         checks against a target).
     save(path, drafter, params, dtype=None): writes a folder `load` reads back exactly.
-    lookup(target) -> Drafter: a parameter-free drafter built from the family name alone.
+    lookup(target) -> Drafter or (Drafter, params): a drafter built from the family name alone (parameter-free,
+        or with parameters read from the target's own checkpoint, e.g. its MTP module).
     with_shape(drafter, block_size, tree_budget) -> Drafter: the drafter at this draft shape; a family
         whose shape is fixed by its checkpoint keeps what it cannot change, and raises ValueError
         naming the fix for a shape it cannot draft (e.g. a tree from a chain-only drafter).
@@ -75,7 +76,7 @@ class Family:
     detect: Callable[[dict], bool] | None = None
     load: Callable[[str, Any, Any], tuple[Drafter, Any]] | None = None
     save: Callable[..., None] | None = None
-    lookup: Callable[[Any], Drafter] | None = None
+    lookup: Callable[[Any], Any] | None = None
     with_shape: Callable[[Drafter, int, int], Drafter] = _no_shape
     recipe: TrainRecipe | None = None
     example: Callable[[Any], tuple[Drafter, Any]] | None = None
@@ -112,7 +113,7 @@ def family_of(drafter: Drafter) -> Family:
 
 
 def named() -> list[str]:
-    """Families a drafter can be built from by name alone (e.g. "lookup")."""
+    """Families a drafter can be built from by name alone (e.g. "lookup", "mtp")."""
     return [n for n, f in FAMILIES.items() if f.lookup is not None]
 
 

@@ -11,8 +11,9 @@ The tensor names, shapes and orientations come from the parameter declarations o
 `jspec.models.hybrid` (one per jspec leaf; the layouts the loader converts are listed below).
 Loading never falls back to random values: every missing, unexpected or misshapen tensor is named in
 one `CheckpointError`, with a hint when the layer pattern disagrees with config.json. Known extras
-that the text model does not use are skipped, as transformers skips them: `mtp.*` (the multi-token
-prediction head of released checkpoints) and `model.visual.*` (Qwen3.5's vision tower).
+that the text model does not use are skipped by the target's loader, as transformers skips them:
+`mtp.*` (the multi-token-prediction module of released checkpoints, which the MTP drafter reads with
+`load_mtp_params`, as strictly) and `model.visual.*` (Qwen3.5's vision tower).
 Export writes `Qwen3NextForCausalLM` or `Qwen3_5ForCausalLM` (prefix `model.`).
 """
 
@@ -25,13 +26,16 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jspec.io.hf import check_tensors, np_dtype, read_safetensors
+from jspec.errors import CheckpointError
+from jspec.io.hf import _damaged, _safetensor_files, check_tensors, np_dtype, read_safetensors
 from jspec.models.declare import Declared
 from jspec.models.hybrid import HybridConfig, declarations, load_hybrid_config
 
-KNOWN_EXTRAS = ("mtp.", "model.visual.")
+MTP_PREFIX = "mtp."  # the multi-token-prediction module's tensors, top-level in every released checkpoint
+KNOWN_EXTRAS = (MTP_PREFIX, "model.visual.")
 
 # The checkpoint names of the declarations (`jspec.models.hybrid`) are read here. A tensor is stored
 # as HF stores it ([out, in] for matrices) unless its declaration says `transpose`; three layouts
@@ -66,8 +70,12 @@ def _declared(cfg: HybridConfig) -> list[dict[str, Declared]]:
 
 def expected_tensors(cfg: HybridConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the config implies -> its HF shape (`prefix` in place of `model.`)."""
+    return _expected(cfg, _declared(cfg), prefix)
+
+
+def _expected(cfg: HybridConfig, groups: list[dict[str, Declared]], prefix: str) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
-    for group in _declared(cfg):
+    for group in groups:
         for decl in group.values():
             name, shape = _rename(decl.hf, prefix), _hf_shape(decl)
             if "{e}" in name:
@@ -200,3 +208,86 @@ def save_hybrid_params(model_dir: str, cfg: HybridConfig, params: dict, dtype=No
     hf["dtype"] = "bfloat16" if tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16 else "float32"
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+
+
+# --- the multi-token-prediction module (`mtp.*`) ------------------------------------------------
+
+
+def read_tensors_under(model_dir: str, prefix: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors whose names start with `prefix`, as numpy arrays. Only the files that hold
+    them are read (with an index, only the shards it maps them to): the MTP module of a large checkpoint is
+    a few tensors beside the whole model. A tensor stored in two files, or a damaged file, is a
+    CheckpointError naming them (as `jspec.io.hf.read_safetensors`)."""
+    files, weight_map, _ = _safetensor_files(model_dir)
+    if weight_map is not None:
+        shards = {os.path.join(model_dir, s) for n, s in weight_map.items() if n.startswith(prefix)}
+        files = [f for f in files if f in shards]
+    found: dict[str, np.ndarray] = {}
+    source: dict[str, str] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for name in f.keys():
+                    if not name.startswith(prefix):
+                        continue
+                    shard = None if weight_map is None else weight_map.get(name)
+                    if shard is not None and os.path.join(model_dir, shard) != path:
+                        continue  # the index names another shard's copy
+                    if name in source:
+                        raise CheckpointError(f"tensor {name!r} is stored in two files, {source[name]} and {path}: "
+                                              "jspec cannot tell which copy to load; remove the stale file")
+                    found[name] = f.get_tensor(name)
+                    source[name] = path
+        except (SafetensorError, OSError) as err:
+            raise _damaged(path, err) from err
+    return found
+
+
+def _mtp_groups(declared: dict) -> list[dict[str, Declared]]:
+    """The MTP module's declarations (`jspec.drafters.mtp.declarations`: its top-level tensors and its
+    decoder layer under "layer") as the loader's groups: the top level, then the layer."""
+    return [{k: d for k, d in declared.items() if k != "layer"}, declared["layer"]]
+
+
+def expected_mtp_tensors(cfg: HybridConfig, declared: dict) -> dict[str, tuple[int, ...]]:
+    """Every `mtp.*` tensor name of the MTP module -> its HF shape. cfg: the module's layer config (the
+    target's, with one full-attention layer); declared: its declarations."""
+    return _expected(cfg, _mtp_groups(declared), MTP_PREFIX)
+
+
+def load_mtp_params(model_dir: str, cfg: HybridConfig, declared: dict, dtype=jnp.float32,
+                    check_values: bool = True) -> dict:
+    """The `mtp.*` tensors of a checkpoint folder (the target's own, or a saved MTP drafter's) as the MTP
+    module's jspec parameters ({top-level arrays..., "layer": the decoder layer's dict}), `dtype`.
+
+    Strict like the target's loader: a folder without `mtp.*` tensors, and every missing, unexpected,
+    misshapen or mistyped one (and NaN / inf values unless check_values=False), is a CheckpointError naming
+    the tensors."""
+    expected = expected_mtp_tensors(cfg, declared)
+    found = read_tensors_under(model_dir, MTP_PREFIX)
+    if not found:
+        names = sorted(expected)
+        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
+        raise CheckpointError(
+            f"checkpoint {model_dir!r} holds no multi-token-prediction tensors ({MTP_PREFIX}*): the MTP drafter "
+            f"reads its {len(names)} tensors ({shown}) from the checkpoint\n"
+            "  fix: use a checkpoint that ships its MTP module (the released Qwen3.5 / Qwen3-Next checkpoints do; "
+            "some conversions and quantized exports drop it), or another drafter")
+    check_tensors(found, expected, f"the MTP module of checkpoint {model_dir!r} ({cfg.family}, {MTP_PREFIX}*)",
+                  "point at a checkpoint whose mtp.* tensors were trained for this model (same hidden size, heads "
+                  "and MLP as config.json says)", check_values=check_values)
+    dt = np_dtype(dtype)
+    get = lambda name: np.asarray(found[_rename(name, MTP_PREFIX)])
+    top, layer = ({k: jnp.asarray(a.astype(dt)) for k, a in _to_jspec(cfg, group, get).items()}
+                  for group in _mtp_groups(declared))
+    return {**top, "layer": layer}
+
+
+def mtp_tensors(cfg: HybridConfig, declared: dict, params: dict, dtype=None) -> dict[str, np.ndarray]:
+    """The MTP module's parameters as checkpoint tensors under their official `mtp.*` names (inverse of
+    `load_mtp_params`)."""
+    top, layer = _mtp_groups(declared)
+    tensors = {**_to_hf(cfg, top, params), **_to_hf(cfg, layer, params["layer"])}
+    cast = None if dtype is None else np_dtype(dtype)
+    return {_rename(n, MTP_PREFIX): np.ascontiguousarray(a if cast is None else a.astype(cast))
+            for n, a in tensors.items()}

@@ -1,0 +1,336 @@
+"""MTP: the target's own multi-token-prediction module (Qwen3.5 / Qwen3-Next checkpoints), drafting a chain.
+
+Released Qwen3.5 and Qwen3-Next checkpoints carry, beside the model, one extra decoder layer trained to
+predict the token after next (config.json: `mtp_num_hidden_layers` 1, `mtp_use_dedicated_embeddings`
+false). Its tensors, top-level under `mtp.`: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm`
+(zero-centred RMSNorms, [D]), `fc` [D, 2D] and `layers.0.*`, a full-attention layer of the target's own
+kind (gated q_proj, q/k norms, partial RoPE, a dense or MoE MLP by the target's rule for layer 0). The
+embedding and the LM head are the target's. Row i of the module, at position i, reads the target's
+final-normed hidden state h_i (after token x_i) and the next token x_{i+1}:
+
+    u_i = fc(cat[pre_fc_norm_embedding(embed(x_{i+1})), pre_fc_norm_hidden(h_i)])     (embedding first)
+    o_i = norm(layer(u_i))            the layer attends over the module's own K/V rows 0 .. i
+    q(x_{i+2}) = the served softmax of the target's LM head on o_i
+
+as vLLM runs it (vllm/model_executor/models/qwen3_next_mtp.py and qwen3_5_mtp.py,
+`*MultiTokenPredictor.forward`: norm both inputs, cat([embeds, hidden]), fc, layer, `self.norm`; the
+proposer shifts the input ids left by one and keeps the target's positions,
+vllm/v1/spec_decode/llm_base_proposer.py `set_inputs_first_pass`; the target hidden it passes is the
+model's output after its final norm, `Qwen3NextModel.forward`). Depth k > 1 reuses the one module
+autoregressively: row i + 1 reads the previous draft and, in place of the target's unknown h_{i+1}, the
+module's own output o_i after `mtp.norm`, since the Qwen MTP models return that one tensor both for the
+logits and as the next step's hidden state (`llm_base_proposer.py` `model_returns_tuple`: False for
+method "mtp" unless the architecture is one of DeepSeek's, GLM-5's or Kimi's).
+
+The module's K/V row i needs h_i, which the target computes when it verifies x_i, so the module's
+context lags the target's by one token: with the committed text x_0 .. x_{L-1} (anchor x_{L-1}), rows
+0 .. L-2 are exact, and row L-2 (h_{L-2}, the anchor) is the first draft's. The state keeps the rows
+before `fed` in its cache and the target hidden states of the committed rows not fed yet (the prompt's
+last one after the prefill, the verify pass's rows after a commit). Each round first feeds those rows
+(at most g + 1, causal among themselves), the last of them giving draft 1, then runs g - 1 single rows
+on its own outputs. Draft rows lie at or past row L - 1: the round's later drafts read them, and the next
+round's catch-up starts at row L - 1 with only rows below it as context, overwriting them, so rejected
+drafts need no rollback.
+
+The prompt's hidden states reach `init` as a tap of the target's last layer (PrefillInfo.taps), to which
+the drafter applies the target's final norm; the committed rows' come with CommitInfo.hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.family import Family, register_family
+from jspec.errors import CheckpointError
+from jspec.io.drafters import read_config, write_checkpoint
+from jspec.io.files import read_json_object
+from jspec.io.hf_hybrid import load_mtp_params, mtp_tensors
+from jspec.models import hybrid, quant
+from jspec.models import target as tm
+from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, unbox
+from jspec.models.layers import linear, rms_norm, zc_rms_norm
+
+# The draft-model architectures of vLLM's MTP models, by the family of the target they serve: the
+# `architectures` of a saved MTP drafter's config.json (what `detect` recognises).
+ARCHITECTURES = {"qwen3_5": "Qwen3_5MTP", "qwen3_next": "Qwen3NextMTP"}
+_CAUSAL_LM = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM")}
+
+
+def layer_config(target_cfg) -> hybrid.HybridConfig:
+    """The MTP layer's config: a hybrid target's own, with one full-attention layer (index 0, so the
+    target's rule for layer 0 picks a dense or MoE MLP, as vLLM's `extract_layer_index("mtp.layers.0")`
+    does). A dense target (which has no MTP module; tests and the conformance example draft with a random
+    one) gets a Qwen3.5 layer of its sizes."""
+    if tm.is_hybrid(target_cfg):
+        return dataclasses.replace(target_cfg, num_layers=1, layer_types=(hybrid.FULL,))
+    c = target_cfg
+    rotary = 0.25 if int(c.head_dim * 0.25) >= 2 and int(c.head_dim * 0.25) % 2 == 0 else 1.0
+    return hybrid.HybridConfig(
+        family="qwen3_5", vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=1,
+        layer_types=(hybrid.FULL,), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=c.head_dim,
+        linear_value_head_dim=c.head_dim, linear_conv_kernel_dim=4, intermediate_size=c.intermediate_size,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, partial_rotary_factor=rotary,
+        tie_word_embeddings=c.tie_word_embeddings, eos_token_ids=c.eos_token_ids, bos_token_id=c.bos_token_id,
+        max_position_embeddings=c.max_position_embeddings)
+
+
+class MTPNet(nn.Module):
+    """The MTP module's parameters, declared once (`jspec.models.declare`): the three zero-centred norms
+    [D], fc [D, 2D] ([out, in]; input = [embedding | hidden]) and the decoder layer `layer`
+    (`hybrid.HybridLayer` of `cfg`, declared as `model.layers.0.*`, which the loader reads under `mtp.`)."""
+
+    cfg: hybrid.HybridConfig
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        d = self.cfg.hidden_size
+        decl = functools.partial(declare, self, std=self.init_std, dtype=self.param_dtype)
+        norm = lambda name: decl(name, (d,), ("embed",), "zeros", f"mtp.{name}.weight")
+        self.pre_fc_norm_embedding = norm("pre_fc_norm_embedding")
+        self.pre_fc_norm_hidden = norm("pre_fc_norm_hidden")
+        self.fc = decl("fc", (d, 2 * d), ("embed", "taps"), "normal", "mtp.fc.weight")
+        self.norm = norm("norm")
+        self.layer = hybrid.HybridLayer(self.cfg, 0, self.init_std, self.param_dtype, name="layer")
+
+    def declare(self):
+        return self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc, self.norm, self.layer.declare()
+
+    def __call__(self, embedded, hidden, k, v, ps: hybrid.PassInputs):
+        """embedded [B, T, D] (the target's embedding rows of x_{i+1}), hidden [B, T, D] (h_i) ->
+        (o [B, T, D] after `mtp.norm`, k, v)."""
+        eps = self.cfg.rms_norm_eps
+        e = zc_rms_norm(embedded, self.pre_fc_norm_embedding, eps)
+        h = zc_rms_norm(hidden, self.pre_fc_norm_hidden, eps).astype(e.dtype)
+        u = linear(jnp.concatenate([e, h], axis=-1), self.fc)
+        out, (k, v), _ = self.layer(u, (k, v), ps)
+        return zc_rms_norm(out, self.norm, eps), k, v
+
+
+@functools.lru_cache(maxsize=64)  # tracing the declarations is cheap but not free
+def declarations(cfg: hybrid.HybridConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's declaration (boxes of ShapeDtypeStructs): the top-level ones and "layer"."""
+    return abstract_tree(MTPNet(cfg, param_dtype=dtype), MTPNet.declare)["params"]
+
+
+def init_params(cfg: hybrid.HybridConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random parameters (zero-centred norms at 0, matrices normal(std))."""
+    return unbox(init_tree(MTPNet(cfg, init_std=std, param_dtype=dtype), MTPNet.declare, key))["params"]
+
+
+def mtp_rows(params: dict, cfg: hybrid.HybridConfig, embed, tokens, hidden, positions, k, v, ctx_len):
+    """The module over T rows per batch row: tokens [B, T] (x_{i+1}), hidden [B, T, D] (h_i), at
+    positions [B, T] (also their cache rows; consecutive), over cache rows < ctx_len [B] and the rows
+    before them in this pass. embed: the target's embedding. Returns (o [B, T, D], k, v)."""
+    ps = hybrid.PassInputs(positions, positions, ctx_len, None, None, None, jnp.asarray(hybrid.rope_inv_freq(cfg)),
+                           False, "recurrent", 64)
+    return MTPNet(cfg).apply({"params": params}, quant.embed_rows(embed, tokens), hidden, k, v, ps)
+
+
+def target_final_norm(target_params: dict, target_cfg, x: jax.Array) -> jax.Array:
+    """The target's final norm (what its forward applies after the last layer) of last-layer outputs x."""
+    norm = zc_rms_norm if tm.is_hybrid(target_cfg) else rms_norm
+    return norm(x, target_params["final_norm"], target_cfg.rms_norm_eps)
+
+
+def _architecture(cfg: hybrid.HybridConfig) -> hybrid.HybridConfig:
+    """cfg without its token ids and context length (which do not change the module's computation)."""
+    return dataclasses.replace(cfg, eos_token_ids=(), bos_token_id=None, pad_token_id=None, max_position_embeddings=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MTPState:
+    k: jax.Array  # [B, Hkv, S, Dh] the module's K/V; rows < fed are exact
+    v: jax.Array
+    hidden: jax.Array  # [B, g + 1, D] the target's hidden states at positions fed, fed + 1, ... (not fed yet)
+    fed: jax.Array  # [B] module rows computed from committed inputs (0 .. fed - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTP(Drafter):
+    """cfg: the MTP layer's config (`layer_config` of the target's); target_layers: the target's layer
+    count (its last layer is tapped for the prompt's hidden states); block_size: drafts per round."""
+
+    cfg: hybrid.HybridConfig | None = None
+    target_layers: int = 0
+    block_size: int = 4
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return (self.target_layers - 1,)
+
+    def validate(self, target_cfg, dparams) -> None:
+        if self.cfg is None:
+            raise ValueError("the MTP drafter needs its layer config: MTP(cfg=layer_config(target_cfg), ...)")
+        if self.target_layers != target_cfg.num_layers:
+            raise ValueError(f"the MTP drafter was built for a target of {self.target_layers} layers, this one has "
+                             f"{target_cfg.num_layers}: build it for this target (jspec.load_drafter('mtp', target))")
+        if tm.is_hybrid(target_cfg) and _architecture(self.cfg) != _architecture(layer_config(target_cfg)):
+            raise ValueError("the MTP module's config differs from the target's (hidden size, heads, MLP, RoPE or "
+                             "vocabulary): an MTP module serves only the model it was trained with; load it from "
+                             "the target's own checkpoint (jspec.load_drafter('mtp', target))")
+        for name, mine, theirs in (("vocabulary", self.cfg.vocab_size, target_cfg.vocab_size),
+                                   ("hidden size", self.cfg.hidden_size, target_cfg.hidden_size)):
+            if mine != theirs:
+                raise ValueError(f"MTP module {name} ({mine}) differs from the target's ({theirs}): it reads the "
+                                 "target's hidden states and shares its embedding and LM head")
+
+    def param_axes(self):
+        return logical_axes(declarations(self.cfg))
+
+    def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> MTPState:
+        b, p = prefill.prompts.shape
+        c = self.cfg
+        dtype = dparams["fc"].dtype
+        kv = jnp.zeros((b, c.num_kv_heads, cache_size, c.head_dim), dtype)
+        k, v = kv, kv
+        hidden = target_final_norm(prefill.target_params, prefill.target_cfg, prefill.taps[0])  # [B, P, D]
+        if p > 1:  # rows 0 .. P-2: (h_i, x_{i+1}); a shorter prompt's rows past its own are overwritten later
+            pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
+            _, k, v = mtp_rows(dparams, c, prefill.target_params["embed"], prefill.prompts[:, 1:],
+                               hidden[:, : p - 1], pos, k, v, jnp.zeros((b,), jnp.int32))
+        last = jnp.take_along_axis(hidden, (prefill.prompt_len - 1)[:, None, None], axis=1)  # h at the prompt's end
+        pending = jnp.zeros((b, self.block_size + 1, c.hidden_size), hidden.dtype).at[:, :1].set(last)
+        return MTPState(k, v, pending, prefill.prompt_len - 1)
+
+    def propose(self, dparams, state: MTPState, ctx: DraftContext):
+        length, g, c = ctx.length, self.block_size, self.cfg
+        embed = ctx.target_params["embed"]
+        # Catch up on rows fed .. length - 2 (at most g + 1; none for a row that is done), their inputs the
+        # committed tokens after them; the last one's output drafts the token at index `length`.
+        start, width = state.fed, g + 1
+        pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+        toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos + 1, ctx.tokens.shape[1] - 1), axis=1)
+        new = jnp.clip(length - 1 - start, 0, width)
+        out, k, v = mtp_rows(dparams, c, embed, toks, state.hidden, pos, state.k, state.v, start)
+        last = jnp.take_along_axis(out, jnp.maximum(new - 1, 0)[:, None, None], axis=1)[:, 0]
+        first, first_logp = self.choose(ctx, tm.logits(ctx.target_params, ctx.target_cfg, last), length)
+
+        # Depth > 1: the previous draft and, for the unknown h, the module's own output after mtp.norm, the one
+        # tensor vLLM's Qwen MTP models return for both the logits and the next step (module docstring).
+        def step(carry, i):
+            k, v, h, token = carry
+            row = (length - 2 + i)[:, None]  # draft i + 1's input row
+            o, k, v = mtp_rows(dparams, c, embed, token[:, None], h[:, None], row, k, v, row[:, 0])
+            nxt, logp = self.choose(ctx, tm.logits(ctx.target_params, ctx.target_cfg, o[:, 0]), length + i)
+            return (k, v, o[:, 0], nxt), (nxt, logp if ctx.needs_q else None)
+
+        (k, v, _, _), (rest, rest_logp) = jax.lax.scan(step, (k, v, last, first), jnp.arange(1, g))
+        drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
+        q = None
+        if ctx.needs_q:
+            q = jnp.concatenate([first_logp[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1)
+        return Proposal(drafts, q), MTPState(k, v, state.hidden, start + new)
+
+    def commit(self, dparams, state: MTPState, info: CommitInfo) -> MTPState:
+        # The committed rows old_length - 1 .. new_length - 2 are the next round's catch-up: their target
+        # hidden states are info.hidden's first rows, at positions fed (= old_length - 1 after propose) on.
+        hidden = info.hidden[:, : self.block_size + 1].astype(state.hidden.dtype)
+        return dataclasses.replace(state, hidden=hidden)
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+# A saved MTP drafter: config.json (the layer's hybrid config, one full-attention layer, with
+# architectures [Qwen3_5MTP] or [Qwen3NextMTP], mtp_num_hidden_layers 1, mtp_use_dedicated_embeddings
+# false and num_target_layers) and model.safetensors holding the mtp.* tensors under their official names.
+
+
+def _detect(hf: dict) -> bool:
+    return any(a in ARCHITECTURES.values() for a in hf.get("architectures") or ())
+
+
+def _check_mtp_fields(hf: dict, where: str) -> None:
+    """The config's MTP fields must describe the module jspec runs: one layer sharing the target's embedding."""
+    layers = hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 1))
+    if layers != 1:
+        raise CheckpointError(f"{where}: mtp_num_hidden_layers is {layers!r}; the MTP drafter runs one MTP layer "
+                              "(the released Qwen3.5 / Qwen3-Next checkpoints have 1)")
+    if hf.get("mtp_use_dedicated_embeddings", False):
+        raise CheckpointError(f"{where}: mtp_use_dedicated_embeddings is true, which the MTP drafter does not "
+                              "support: it embeds with the target's embedding")
+
+
+def _text_config(hf: dict) -> dict:
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def load(path: str, target, dtype) -> tuple[MTP, dict]:
+    """A saved MTP drafter (see above); with a target, it must be the target's own module."""
+    hf = read_config(path)
+    where = os.path.join(path, "config.json")
+    fam = next((f for f, a in ARCHITECTURES.items() if a in (hf.get("architectures") or ())), None)
+    if fam is None:
+        raise CheckpointError(f"{where}: architectures {hf.get('architectures')} names no MTP drafter; a saved MTP "
+                              f"drafter's is one of {sorted(ARCHITECTURES.values())}")
+    _check_mtp_fields(hf, where)
+    model_type, causal = _CAUSAL_LM[fam]
+    cfg = hybrid.HybridConfig.from_hf_dict({**hf, "model_type": model_type, "architectures": [causal]})
+    if cfg.layer_types != (hybrid.FULL,):
+        raise CheckpointError(f"{where}: an MTP drafter's config describes its one full-attention layer, got "
+                              f"layer_types {list(cfg.layer_types)}")
+    n_target = hf.get("num_target_layers")
+    if not isinstance(n_target, int) or n_target < 1:
+        raise CheckpointError(f"{where}: num_target_layers (the layer count of the target the module serves) is "
+                              f"{n_target!r}; it must be an integer >= 1")
+    drafter = MTP(cfg=cfg, target_layers=n_target)
+    if target is not None:
+        drafter.validate(target.cfg, None)
+    return drafter, load_mtp_params(path, cfg, declarations(cfg), dtype)
+
+
+def save(path: str, drafter: MTP, params: dict, dtype=None) -> None:
+    cfg = drafter.cfg
+    config = {**cfg.to_hf_dict(), "architectures": [ARCHITECTURES[cfg.family]], "mtp_num_hidden_layers": 1,
+              "mtp_use_dedicated_embeddings": False, "num_target_layers": drafter.target_layers}
+    write_checkpoint(path, config, mtp_tensors(cfg, declarations(cfg), params, dtype))
+
+
+def from_target(target) -> tuple[MTP, dict]:
+    """The target's own MTP module, read from the `mtp.*` tensors of the target's checkpoint folder."""
+    if not tm.is_hybrid(target.cfg):
+        raise ValueError(f"the mtp drafter runs the multi-token-prediction module of Qwen3.5 / Qwen3-Next checkpoints; "
+                         f"the target {target.path!r} is a {target.cfg.family} model, which has none: pick another "
+                         "drafter")
+    if target.path is None:
+        raise ValueError("the mtp drafter reads the mtp.* tensors of the target's checkpoint folder, and this target "
+                         "has none (target.path is None): load the target with jspec.load_target(folder), or pass "
+                         "(MTP(...), params) built with jspec.drafters.mtp")
+    cfg_path = os.path.join(target.path, "config.json")
+    if os.path.exists(cfg_path):
+        _check_mtp_fields(_text_config(read_json_object(cfg_path)), cfg_path)
+    cfg = layer_config(target.cfg)
+    params = load_mtp_params(target.path, cfg, declarations(cfg), target.params["final_norm"].dtype)
+    return MTP(cfg=cfg, target_layers=target.cfg.num_layers), params
+
+
+def with_shape(drafter: MTP, block_size: int, tree_budget: int) -> MTP:
+    if tree_budget:
+        raise ValueError("the MTP drafter drafts chains: drop the tree budget for it")
+    return dataclasses.replace(drafter, block_size=block_size)
+
+
+def _example(target) -> tuple[MTP, dict]:
+    """A random MTP module for the target's shape (conformance fixtures are dense targets without one)."""
+    cfg = layer_config(target.cfg)
+    params = init_params(cfg, jax.random.key(0), target.params["final_norm"].dtype, std=0.3)
+    return MTP(cfg=cfg, target_layers=target.cfg.num_layers, block_size=3), params
+
+
+register_family(Family(name="mtp", drafter=MTP, detect=_detect, load=load, save=save, lookup=from_target,
+                       with_shape=with_shape, example=_example,
+                       summary="the target's own multi-token-prediction module (mtp.* tensors of a Qwen3.5 / "
+                               "Qwen3-Next checkpoint)"))
