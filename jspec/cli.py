@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft tokens per round of a chain (default 4; a DFlash / DSpark checkpoint drafts the block "
                          "it was trained for, and refuses another)")
     sp.add_argument("--tree-budget", type=int, default=0, help="draft a token tree of N nodes (0 = chain)")
+    sp.add_argument("--loop-stages", type=int, default=1, metavar="S",
+                    help="DLoop: up to S stages of a block drafter's chain per target check, while the drafter's "
+                         "summed log-prob of the last stage exceeds --loop-threshold (1 = off)")
+    sp.add_argument("--loop-threshold", type=float, default=None, metavar="T",
+                    help="DLoop: draft another stage while the last stage's summed drafter log-prob exceeds T "
+                         "(default -2.0)")
     gen.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                      help="run on a device mesh of axes data, fsdp, model, e.g. model=4 (tensor parallel; one "
                           "prompt needs data = fsdp = 1; data takes the devices left over); default: one device")
@@ -261,6 +267,10 @@ def cmd_generate(args) -> int:
     kw = _request_kwargs(args, mesh)
     spec_kw = dict(drafter=drafter, verifier=args.verifier, block_size=args.block_size, tree_budget=args.tree_budget,
                    verify_budget="profile" if args.verify_budget else None)
+    if args.loop_stages == 1 and args.loop_threshold is not None:
+        raise ValueError("--loop-threshold gates DLoop stages: add --loop-stages S (S > 1), or drop it")
+    if args.loop_stages != 1:
+        spec_kw.update(drafter=_looped(target, drafter, args), block_size=None, tree_budget=0)
     if args.input_file is not None:
         if compare:
             raise ValueError("--compare times one prompt against plain AR decoding: drop it with --input-file")
@@ -356,6 +366,19 @@ def read_requests(path: str) -> list[dict]:
     if not out:
         raise ValueError(f"{path} holds no request: write one JSON object per line, e.g. {{\"prompt\": \"def f(\"}}")
     return out
+
+
+def _looped(target, drafter: str, args):
+    """The drafter wrapped in DLoop stages (--loop-stages / --loop-threshold): (DLoop, params)."""
+    import jspec
+    from jspec.drafters.dloop import DLoop
+
+    if drafter == "none":
+        raise ValueError("--loop-stages repeats a block drafter's stages: give --drafter (a DFlash, DFlash2 or DSpark "
+                         "checkpoint), or drop --loop-stages")
+    inner, params = jspec.load_drafter(drafter, target, block_size=args.block_size, tree_budget=args.tree_budget)
+    threshold = -2.0 if args.loop_threshold is None else args.loop_threshold
+    return DLoop(inner=inner, stages=args.loop_stages, threshold=threshold), params
 
 
 def _generate_jsonl(args, target, kw) -> int:

@@ -150,7 +150,7 @@ def test_slots_and_selector_equal_the_reference(target, changes):
     drafter = dflash2.DFlash2(dflash2=cfg)
     taps, state, tokens, seeds = setup(target, cfg, params)
     ctx = context(target, tokens, seeds, SAMPLE, 0.8)
-    _, hidden, logits = drafter.slot_states(params, state, ctx)
+    _, hidden, logits, _ = drafter.slot_states(params, state, ctx)
     want = reference_hidden(hf, params, target, taps, anchor_token=7)
     np.testing.assert_allclose(np.asarray(hidden)[0], want[1:], rtol=2e-4, atol=2e-4 * np.abs(want).max())
     head = np.asarray(target.params.get("lm_head", target.params["embed"]), np.float64)

@@ -126,3 +126,40 @@ def test_greedy_chain_follows_the_target_argmax_at_temperature_zero():
             n = int(res.n)
             assert list(draft[:n]) + [int(res.token)] == path[:n + 1]
             assert n == g or draft[n] != path[n]
+
+
+def _stage_gate(vocab, stage, threshold_token):
+    """A DLoop-like draft length: stages of `stage` drafts; another stage follows while the previous
+    stage's drafts all lie below `threshold_token` (a gate that reads only drafts already made)."""
+    def length(draft):
+        n = stage
+        while n < len(draft) and all(t < threshold_token for t in draft[n - stage:n]):
+            n += stage
+        return n
+    return length
+
+
+@pytest.mark.parametrize("rule", sorted(COIN_RULES))
+@pytest.mark.parametrize("vocab, stage, stages, gate", [(3, 1, 3, 2), (4, 1, 3, 1), (3, 2, 2, 2), (2, 1, 4, 1)])
+def test_a_draft_length_decided_while_drafting_is_exact(rule, vocab, stage, stages, gate):
+    """Drafting stops at a stopping time (the gate reads only earlier drafts; the stage that stops it is
+    submitted whole): the verified output, completed by the target, still has the target's joint
+    distribution, for token-wise and block verification, with context-dependent random tables."""
+    g = stage * stages
+    rng = np.random.default_rng([vocab, stage, stages, gate])
+    length = _stage_gate(vocab, stage, gate)
+    for family in ("dirichlet", "sparse", "near"):
+        tables = exact.random_tables(rng, vocab, g + 1, family)
+        outputs = exact.chain_outputs(COIN_RULES[rule], tables, g, length=length)
+        lengths = {length(d) for d in itertools.product(range(vocab), repeat=g)}
+        assert len(lengths) > 1  # the gate really varies the length
+        assert _exactness_error(outputs, tables, g) < TOL
+
+
+@pytest.mark.parametrize("rule", sorted(COIN_RULES))
+def test_a_length_that_reads_the_admitted_draft_is_not_exact(rule):
+    """The control: admitting draft 2 only when it is token 0 (reading its own value) biases the output,
+    and the criterion above sees it."""
+    tables = exact.random_tables(np.random.default_rng(7), 3, 3, "dirichlet")
+    outputs = exact.chain_outputs(COIN_RULES[rule], tables, 2, length=lambda d: 2 if d[1] == 0 else 1)
+    assert _exactness_error(outputs, tables, 2) > 1e-3

@@ -105,10 +105,12 @@ def _verify_chain(params, cfg, drafter, scfg, core, prop, anchor):
     g = drafter.num_drafts
     b = anchor.shape[0]
     vt = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)
-    lengths = None
+    lengths = prop.length  # drafts proposed per row (a drafter that decides while drafting), or None
     if scfg.sps is not None and prop.confidence is not None:
         live_conf = jnp.where(core.done[:, None], 0.0, prop.confidence)  # finished rows take no budget
-        lengths = budget.choose_verify_lengths(live_conf, jnp.asarray(scfg.sps, jnp.float32))
+        chosen = budget.choose_verify_lengths(live_conf, jnp.asarray(scfg.sps, jnp.float32))
+        lengths = chosen if lengths is None else jnp.minimum(chosen, lengths)
+    if lengths is not None:
         buckets = width_buckets(g)
 
         def at_width(w):

@@ -44,6 +44,8 @@ class Proposal:
     parent: jax.Array | None = None
     depth: jax.Array | None = None
     confidence: jax.Array | None = None  # chain [B, g]: P(draft k accepted | drafts < k accepted), if known
+    length: jax.Array | None = None  # chain [B]: drafts proposed per row, decided while drafting (a stopping
+    # time: never by reading a draft it admits); later slots are padding, never verified. None: all g
 
 
 @jax.tree_util.register_dataclass
@@ -74,10 +76,17 @@ class DraftContext:
     # (traced values; a SamplingParams given here is converted)
     target_cache: Any = dataclasses.field(default=None, kw_only=True)  # the target's cache before this
     # round's verify pass: read it in place, never write it
+    round_start: jax.Array | None = dataclasses.field(default=None, kw_only=True)  # [B] the round's first
+    # draft index when a drafter drafts past `length` in stages (DLoop); None: length. Keys its own noise.
 
     def __post_init__(self):
         if isinstance(self.sampling, SamplingParams):
             self.sampling = self.sampling.traced()
+
+    @property
+    def noise_start(self) -> jax.Array:
+        """The index a sampling drafter's noise is folded by (`draft_noise`): the round's first draft."""
+        return self.length if self.round_start is None else self.round_start
 
     @property
     def needs_q(self) -> bool:
@@ -162,7 +171,7 @@ class Drafter(abc.ABC):
         elif ctx.policy == GUMBEL:  # the target's own noise: coupling makes agreement likely
             token = gumbel_argmax(logp, noise.gumbel(ctx.seeds, index, noise.GUMBEL, vocab))
         else:
-            token = gumbel_argmax(logp, draft_noise(ctx.seeds, index, ctx.length, vocab))
+            token = gumbel_argmax(logp, draft_noise(ctx.seeds, index, ctx.noise_start, vocab))
         return token, logp
 
 

@@ -53,6 +53,7 @@ from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
+from jspec.verify.sampling import log_softmax_at
 
 
 def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
@@ -155,8 +156,12 @@ def fuse(params: dict, cfg: DFlashConfig, taps: jax.Array) -> jax.Array:
 def context_kv(params: dict, cfg: DFlashConfig, taps: jax.Array, positions: jax.Array):
     """Context K, V of the fused features at `positions` [B, T]: per layer [B, T, Hkv * Dh] (tuples;
     heads flattened, the layout the fused draft kernels read)."""
+    return feature_kv(params, cfg, fuse(params, cfg, taps), positions)
+
+
+def feature_kv(params: dict, cfg: DFlashConfig, h_ctx: jax.Array, positions: jax.Array):
+    """Context K, V of context features h_ctx [B, T, H] (fused taps, or a stand-in for them) at positions."""
     lc = cfg.layers
-    h_ctx = fuse(params, cfg, taps)
     b, t, _ = h_ctx.shape
     inv_freq = jnp.asarray(default_rope_inv_freq(lc))
 
@@ -242,8 +247,13 @@ class DFlashState:
 def write_context(params, cfg: DFlashConfig, state: DFlashState, taps, start, keep) -> DFlashState:
     """Project taps [n, B, T, H] at positions start[b] + 0..T-1 into the context cache where keep
     [B, T]: one block write per row and layer (`attention.write_block`), in place."""
-    positions = start[:, None] + jnp.arange(taps.shape[2])[None]
-    k, v = context_kv(params, cfg, taps, positions)
+    return write_features(params, cfg, state, fuse(params, cfg, taps), start, keep)
+
+
+def write_features(params, cfg: DFlashConfig, state: DFlashState, h_ctx, start, keep) -> DFlashState:
+    """`write_context` of context features h_ctx [B, T, H] themselves."""
+    positions = start[:, None] + jnp.arange(h_ctx.shape[1])[None]
+    k, v = feature_kv(params, cfg, h_ctx, positions)
     write = lambda cache, new: tuple(write_block(c, n, start, axis=1, keep=keep) for c, n in zip(cache, new))
     return DFlashState(write(state.k, k), write(state.v, v))
 
@@ -305,24 +315,35 @@ class DFlash(Drafter):
         keep = jnp.arange(p)[None] < prefill.prompt_len[:, None]
         return write_context(dparams, self.cfg, state, prefill.taps, jnp.zeros((b,), jnp.int32), keep)
 
-    def logits(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
-        """Per-draft logits [B, g, V] for the block after each row's anchor."""
+    def block_hidden(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
+        """Final-normed hidden states [B, W, H] of the block at each row's anchor (every slot)."""
         anchor_pos = ctx.length - 1
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
-        hidden = draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos,
-                             kernels=self.kernels)
+        return draft_block(dparams, self.cfg, ctx.target_params["embed"], state.k, state.v, anchor, anchor_pos,
+                           kernels=self.kernels)
+
+    def logits(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
+        """Per-draft logits [B, g, V] for the block after each row's anchor."""
+        hidden = self.block_hidden(dparams, state, ctx)
         return draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, draft_slots(hidden, self.cfg))
 
+    def stage(self, dparams, state: DFlashState, ctx: DraftContext):
+        """One chain of drafts after the anchor: (Proposal, log-probs [B, g] the drafter (at temperature 1)
+        gives its own drafts, block hidden states [B, W, H]). What DLoop repeats."""
+        hidden = self.block_hidden(dparams, state, ctx)
+        logits = draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, draft_slots(hidden, self.cfg))
+        index = ctx.length[:, None] + jnp.arange(logits.shape[1])[None]  # draft i is written at length + i
+        drafts, logp = self.choose(ctx, logits, index)
+        own = log_softmax_at(logits, drafts)
+        return Proposal(drafts, logp if ctx.needs_q else None), own, hidden
+
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
-        logits = self.logits(dparams, state, ctx)
-        g = logits.shape[1]
         if self.tree_budget:
+            logits = self.logits(dparams, state, ctx)
             tokens, parent, depth = jax.vmap(
                 lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(logits)
             return Proposal(tokens, None, parent, depth), state
-        index = ctx.length[:, None] + jnp.arange(g)[None]  # draft i is written at length + i
-        drafts, logp = self.choose(ctx, logits, index)
-        return Proposal(drafts, logp if ctx.needs_q else None), state
+        return self.stage(dparams, state, ctx)[0], state
 
     def commit(self, dparams, state: DFlashState, info: CommitInfo) -> DFlashState:
         start = info.old_length - 1

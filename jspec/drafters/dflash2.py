@@ -246,21 +246,31 @@ class DFlash2(DFlash):
     def param_axes(self):
         return logical_axes(declarations(self.dflash2))
 
-    def slot_states(self, dparams, state: DFlashState, ctx: DraftContext):
-        """(anchor [B], final-normed states of the draft slots [B, g, H], their draft logits [B, g, V])."""
+    def block_hidden(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
         anchor_pos = ctx.length - 1
         anchor = jnp.take_along_axis(ctx.tokens, anchor_pos[:, None], axis=1)[:, 0]
         tokens = dflash.block_inputs(self.cfg, anchor)
-        hidden = draft_blocks(dparams, self.dflash2, ctx.target_params["embed"], state.k, state.v,
-                              anchor_pos[:, None], tokens[:, None], KV_CHUNK)[:, 0, 1:]
-        return anchor, hidden, dflash.draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, hidden)
+        return draft_blocks(dparams, self.dflash2, ctx.target_params["embed"], state.k, state.v,
+                            anchor_pos[:, None], tokens[:, None], KV_CHUNK)[:, 0]
+
+    def slot_states(self, dparams, state: DFlashState, ctx: DraftContext):
+        """(anchor [B], final-normed states of the draft slots [B, g, H], their draft logits [B, g, V],
+        the whole block's states [B, W, H])."""
+        block = self.block_hidden(dparams, state, ctx)
+        anchor = jnp.take_along_axis(ctx.tokens, ctx.length[:, None] - 1, axis=1)[:, 0]
+        hidden = block[:, 1:]
+        return anchor, hidden, dflash.draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, hidden), block
 
     def logits(self, dparams, state: DFlashState, ctx: DraftContext) -> jax.Array:
         """The backbone's draft logits [B, g, V] (what DDTree would read; the selector acts in `propose`)."""
         return self.slot_states(dparams, state, ctx)[2]
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
-        anchor, hidden, logits = self.slot_states(dparams, state, ctx)
+        return self.stage(dparams, state, ctx)[0], state
+
+    def stage(self, dparams, state: DFlashState, ctx: DraftContext):
+        """(Proposal, the selector's log-probs at temperature 1 of the drafts [B, g], the block's states)."""
+        anchor, hidden, logits, block = self.slot_states(dparams, state, ctx)
         unary, ids, factors = candidates(dparams, self.dflash2, logits, hidden)
         b, g, vocab = logits.shape
         index = ctx.length[:, None] + jnp.arange(g)[None]  # draft t is written at length + t
@@ -269,7 +279,7 @@ class DFlash2(DFlash):
         elif ctx.policy == GUMBEL:  # the target's noise of each position, read at the candidates
             g_noise = noise.gumbel(ctx.seeds, index, noise.GUMBEL, vocab)
         else:
-            g_noise = draft_noise(ctx.seeds, index, ctx.length, vocab)
+            g_noise = draft_noise(ctx.seeds, index, ctx.noise_start, vocab)
         temperature = ctx.sampling.temperature
 
         def slot(prev, t):
@@ -281,13 +291,14 @@ class DFlash2(DFlash):
                 logq = jax.nn.log_softmax(scores / temperature, axis=-1)
                 j = jnp.argmax(logq + jnp.take_along_axis(g_noise[:, t], ids[:, t], axis=-1), axis=-1)
             token = jnp.take_along_axis(ids[:, t], j[:, None], axis=-1)[:, 0]
+            own = jnp.take_along_axis(jax.nn.log_softmax(scores, axis=-1), j[:, None], axis=-1)[:, 0]
             row = None
             if ctx.needs_q:  # q_t scattered into the vocabulary: -inf off the candidates
                 row = jnp.full((b, vocab), -jnp.inf, jnp.float32).at[jnp.arange(b)[:, None], ids[:, t]].set(logq)
-            return token, (token, row)
+            return token, (token, row, own)
 
-        _, (tokens, rows) = jax.lax.scan(slot, anchor, jnp.arange(g))
-        return Proposal(tokens.T, None if rows is None else jnp.moveaxis(rows, 0, 1)), state
+        _, (tokens, rows, own) = jax.lax.scan(slot, anchor, jnp.arange(g))
+        return Proposal(tokens.T, None if rows is None else jnp.moveaxis(rows, 0, 1)), own.T, block
 
 
 # --- checkpoints: the official format ------------------------------------------------------------------

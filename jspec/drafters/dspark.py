@@ -41,6 +41,7 @@ from jspec.models import quant, transformer
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
 from jspec.train import losses
+from jspec.verify.sampling import log_softmax_at
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -191,11 +192,17 @@ class DSpark(DFlash):
         return hidden, unary, anchor
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
-        hidden, unary, anchor = self.backbone(dparams, state, ctx)
         if self.tree_budget:
+            _, unary, _ = self.backbone(dparams, state, ctx)
             tokens, parent, depth = jax.vmap(
                 lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(unary)
             return Proposal(tokens, None, parent, depth), state
+        return self.stage(dparams, state, ctx)[0], state
+
+    def stage(self, dparams, state: DFlashState, ctx: DraftContext):
+        """(Proposal, the corrected (Markov) log-probs at temperature 1 of the drafts [B, g], the block's
+        states [B, g, H]: the anchor slot predicts, so every slot is a draft slot)."""
+        hidden, unary, anchor = self.backbone(dparams, state, ctx)
         cfg = self.spark
         b, g, _ = hidden.shape
 
@@ -208,12 +215,12 @@ class DSpark(DFlash):
                 logits = logits + bias
             token, logp = self.choose(ctx, logits, ctx.length + k)
             conf = confidence(dparams, cfg, h, e) if cfg.confidence_head else jnp.ones((b,), jnp.float32)
-            return (token, s), (token, logp if ctx.needs_q else None, conf)
+            return (token, s), (token, logp if ctx.needs_q else None, conf, log_softmax_at(logits, token))
 
         s0 = jnp.zeros((b, max(cfg.markov_rank, 1)), jnp.float32)
-        _, (tokens, logp, conf) = jax.lax.scan(slot, (anchor, s0), jnp.arange(g))
+        _, (tokens, logp, conf, own) = jax.lax.scan(slot, (anchor, s0), jnp.arange(g))
         q = None if logp is None else jnp.moveaxis(logp, 0, 1)
-        return Proposal(tokens.T, q, confidence=conf.T), state
+        return Proposal(tokens.T, q, confidence=conf.T), own.T, hidden
 
 
 # --- checkpoints: the DeepSpec format ------------------------------------------------------------------

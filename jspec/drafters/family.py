@@ -82,6 +82,8 @@ class Family:
     example: Callable[[Any], tuple[Drafter, Any]] | None = None
     fallback: bool = False
     summary: str = ""  # one line for listings: what the family is
+    wraps: bool = False  # its folders are another family's folder plus settings of its own (DLoop): when
+    # both accept a folder, the wrapping family is the one
 
 
 FAMILIES: dict[str, Family] = {}
@@ -125,10 +127,14 @@ def trainable() -> list[str]:
 def detect(path: str) -> Family:
     """The one family whose `detect` accepts the checkpoint folder's config.json (a fallback family only
     when no other does); ValueError when none or several do (naming them)."""
-    hf = read_config(path)
-    hits = [f for f in FAMILIES.values() if f.detect is not None and f.detect(hf)]
+    return detect_config(read_config(path), path)
+
+
+def detect_config(hf: dict, path: str, wrapping: bool = True) -> Family:
+    """`detect` of a config.json's contents (wrapping=False: among the families that wrap none)."""
+    hits = [f for f in FAMILIES.values() if f.detect is not None and (wrapping or not f.wraps) and f.detect(hf)]
     if len(hits) > 1:
-        hits = [f for f in hits if not f.fallback] or hits
+        hits = [f for f in hits if f.wraps] or [f for f in hits if not f.fallback] or hits
     if len(hits) == 1:
         return hits[0]
     arch = hf.get("architectures")

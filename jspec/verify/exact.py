@@ -243,24 +243,30 @@ def _tree_runner(tree_from_coins, children: str):
     return jax.jit(jax.vmap(inner, in_axes=(0, 0, None, 0, None)))
 
 
-def chain_outputs(rule_from_coins, tables: Tables, g: int, length: int | None = None) -> list:
+def chain_outputs(rule_from_coins, tables: Tables, g: int, length=None) -> list:
     """Exact output distribution of a coin-form chain rule (speculative or block) for drafts ~ q.
 
     rule_from_coins(target_logp, draft, draft_logp, coins, length) -> CoinOutcome.
+    length: None (all g drafts verified), an int, or a function of the draft (a tuple of g tokens) giving
+    how many of its drafts are verified: a draft length decided while drafting (a stopping time when it
+    reads only earlier drafts).
     Returns outputs[m] [V^m] for m = 0..g+1.
     """
     drafts, prob, target_rows, draft_rows = enumerate_drafts(tables, g)
     patterns = _patterns(g)
     coins = np.where(patterns, COIN_PASS, COIN_FAIL).astype(np.float32)
-    lim = jnp.int32(g if length is None else length)
-    out = _chain_runner(rule_from_coins)(jnp.asarray(target_rows), jnp.asarray(drafts, jnp.int32),
-                                         jnp.asarray(draft_rows), jnp.asarray(coins), lim)
-    n = np.asarray(out.n).reshape(-1)
-    weight = (prob[:, None] * _pattern_weights(patterns[None], np.asarray(out.threshold))).reshape(-1)
-    token_probs = _softmax64(np.asarray(out.token_logp)).reshape(-1, tables.vocab)
-    emitted = np.repeat(drafts, patterns.shape[0], axis=0)
+    per_draft = (np.full(len(drafts), g if length is None else length, np.int64) if not callable(length)
+                 else np.array([length(tuple(int(t) for t in d)) for d in drafts], np.int64))
     outputs = _empty_outputs(tables.vocab, g + 1)
-    _accumulate(outputs, weight, emitted, n, token_probs)
+    for lim in np.unique(per_draft):
+        sel = per_draft == lim
+        out = _chain_runner(rule_from_coins)(jnp.asarray(target_rows[sel]), jnp.asarray(drafts[sel], jnp.int32),
+                                             jnp.asarray(draft_rows[sel]), jnp.asarray(coins), jnp.int32(lim))
+        n = np.asarray(out.n).reshape(-1)
+        weight = (prob[sel, None] * _pattern_weights(patterns[None], np.asarray(out.threshold))).reshape(-1)
+        token_probs = _softmax64(np.asarray(out.token_logp)).reshape(-1, tables.vocab)
+        emitted = np.repeat(drafts[sel], patterns.shape[0], axis=0)
+        _accumulate(outputs, weight, emitted, n, token_probs)
     return outputs
 
 

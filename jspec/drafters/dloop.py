@@ -1,0 +1,175 @@
+"""DLoop: more drafting stages before one target check, while the drafter stays confident.
+
+A stage is one chain of g drafts of a block drafter (DFlash, DFlash2 or DSpark: their `stage`). After
+each stage the drafter's summed log-probabilities of that stage's drafts (at temperature 1, the
+drafter's own distribution: DSpark's corrected one, DFlash2's selector) are compared with a fixed
+threshold; above it, another stage is drafted, with the previous stage's last draft as the anchor and,
+for the positions the target has not seen, the drafter's own final-normed hidden states of the
+previous stage (slots 0 .. g - 1, at their positions) standing in for the fused target features. One
+target pass then verifies every stage drafted: at most S g tokens plus the anchor, where S separate
+checks could commit S (g + 1).
+
+Exactness. Every stage's drafts are submitted, and whether another stage follows reads only drafts
+already made, so the number of drafts is a stopping time: token-wise verification is exact with the
+q each stage reports (the law of its draws given everything drawn before), and so is block
+verification (checked by exact enumeration, tests/test_verify_chain_exact.py). Greedy and Gumbel
+verification need no q. A row's stage count travels as `Proposal.length`; the verify pass runs at
+the smallest width bucket that holds the longest row.
+
+Provisional features never become context: they are written into the drafter's context cache at
+rows the round's commit rewrites from the target's own taps before any later block may read them
+(a block reads rows strictly before its anchor, and every row before the next anchor is committed).
+Which hidden state stands in for a target feature is not published; the final-normed slot states are
+this module's choice (they have the feature's width and norm). Without loop-aware training, a drafter
+sees such features only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import json
+import math
+import os
+
+from jspec.drafters import dflash
+from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.dflash import DFlash, write_features
+from jspec.drafters.family import Family, detect_config, family_of, register_family
+from jspec.errors import CheckpointError
+from jspec.io.drafters import read_config
+from jspec.models.attention import write_block
+from jspec.models.config import ModelConfig
+from jspec.train.runfiles import atomic_text
+
+
+@dataclasses.dataclass(frozen=True)
+class DLoop(Drafter):
+    inner: DFlash | None = None  # a chain block drafter with `stage` (DFlash, DFlash2, DSpark)
+    stages: int = 2  # S: at most this many stages per round
+    threshold: float = -2.0  # another stage while the last stage's summed drafter log-prob exceeds this
+
+    def __post_init__(self):
+        if self.inner is None or not hasattr(self.inner, "stage"):
+            raise ValueError(f"DLoop drafts in stages of a block drafter (DFlash, DFlash2, DSpark), not "
+                             f"{type(self.inner).__name__}")
+        if self.inner.kind != "chain":
+            raise ValueError("DLoop drafts chains: give it a block drafter without a tree budget")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
+            raise ValueError(f"DLoop stages must be an int >= 1, got {self.stages!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
+            raise ValueError(f"DLoop threshold must be a number (a summed log-probability), got {self.threshold!r}")
+
+    @property
+    def stage_drafts(self) -> int:
+        return self.inner.num_drafts
+
+    @property
+    def num_drafts(self) -> int:
+        return self.stages * self.stage_drafts
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.inner.taps
+
+    @property
+    def reports_confidence(self) -> bool:
+        return False
+
+    def with_kernels(self, kernels: str) -> "DLoop":
+        return dataclasses.replace(self, inner=self.inner.with_kernels(kernels))
+
+    def validate(self, target_cfg: ModelConfig, dparams) -> None:
+        self.inner.validate(target_cfg, dparams)
+
+    def param_axes(self):
+        return self.inner.param_axes()
+
+    def init(self, dparams, prefill: PrefillInfo, cache_size: int):
+        return self.inner.init(dparams, prefill, cache_size)
+
+    def commit(self, dparams, state, info: CommitInfo):
+        return self.inner.commit(dparams, state, info)
+
+    def propose(self, dparams, state, ctx: DraftContext):
+        g, b = self.stage_drafts, ctx.length.shape[0]
+        prop, own, hidden = self.inner.stage(dparams, state, ctx)
+        tokens, rows = [prop.tokens], [prop.q_logp]
+        length = jnp.full((b,), g, jnp.int32)
+        go = jnp.sum(own, axis=-1) > self.threshold
+        text = ctx.tokens
+        for s in range(1, self.stages):
+            anchor_pos = ctx.length - 1 + s * g  # this stage's anchor: the previous stage's last draft
+            start = anchor_pos - g  # the previous stage's positions, which the target has not seen
+            keep = jnp.broadcast_to(go[:, None], (b, g))
+            state = write_features(dparams, self.inner.cfg, state, hidden[:, :g], start, keep)
+            text = write_block(text, tokens[-1], start + 1, axis=1)
+            stage_ctx = dataclasses.replace(ctx, tokens=text, length=ctx.length + s * g, round_start=ctx.noise_start)
+
+            def draft(stage_ctx=stage_ctx, state=state):
+                p, o, h = self.inner.stage(dparams, state, stage_ctx)
+                return p.tokens, p.q_logp, o, h
+
+            def skip():  # no row goes on: padding, never verified
+                return jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(draft))
+
+            new_tokens, new_rows, own, hidden = jax.lax.cond(jnp.any(go), draft, skip)
+            tokens.append(new_tokens)
+            rows.append(new_rows)
+            length = jnp.where(go, length + g, length)
+            go = go & (jnp.sum(own, axis=-1) > self.threshold)
+        q = None if rows[0] is None else jnp.concatenate(rows, axis=1)
+        return Proposal(jnp.concatenate(tokens, axis=1), q, length=length), state
+
+
+# --- checkpoints: a block drafter's folder with a dloop_config section ------------------------------------
+# config.json of the wrapped drafter (z-lab DFlash / DFlash2, DeepSpec DSpark) plus
+# `"dloop_config": {"stages": S, "threshold": T}`; the tensors are the wrapped drafter's.
+
+_KEYS = ("stages", "threshold")
+
+
+def _detect(hf: dict) -> bool:
+    return "dloop_config" in hf
+
+
+def _load(path: str, target, dtype) -> tuple[DLoop, dict]:
+    hf = read_config(path)
+    where = os.path.join(path, "config.json")
+    loop = hf["dloop_config"]
+    if not isinstance(loop, dict) or set(loop) != set(_KEYS):
+        raise CheckpointError(f"{where}: dloop_config must hold exactly {list(_KEYS)}, got {loop!r}")
+    inner_family = detect_config({k: v for k, v in hf.items() if k != "dloop_config"}, path, wrapping=False)
+    inner, params = inner_family.load(path, target, dtype)
+    try:
+        return DLoop(inner=inner, stages=loop["stages"], threshold=float(loop["threshold"])), params
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def _save(path: str, drafter: DLoop, params: dict, dtype=None) -> None:
+    family_of(drafter.inner).save(path, drafter.inner, params, dtype)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    hf["dloop_config"] = {"stages": drafter.stages, "threshold": drafter.threshold}
+    atomic_text(cfg_path, json.dumps(hf, indent=2))
+
+
+def with_shape(drafter: DLoop, block_size: int, tree_budget: int) -> DLoop:
+    if tree_budget:
+        raise ValueError("DLoop drafts chains of stages: leave the tree budget at 0")
+    return dataclasses.replace(drafter, inner=family_of(drafter.inner).with_shape(drafter.inner, block_size, 0))
+
+
+def _example(target) -> tuple[DLoop, dict]:
+    inner, params = dflash._example(target)
+    return DLoop(inner=inner, stages=2, threshold=-3.0), params
+
+
+register_family(Family(name="dloop", drafter=DLoop, detect=_detect, load=_load, save=_save, with_shape=with_shape,
+                       example=_example, wraps=True,
+                       summary="DLoop: a DFlash / DFlash2 / DSpark folder with a dloop_config section"))

@@ -1,0 +1,162 @@
+"""DLoop: stages drafted while the drafter is confident, verified in one pass. Exactness in the loop
+(greedy and Gumbel text equal plain decoding; every rule runs with the stage count a stopping time:
+its exactness by enumeration is in tests/test_verify_chain_exact.py), the gate, the provisional
+features, and the stage count reported per row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.drafters import dflash, dflash2, dspark
+from jspec.drafters.base import SAMPLE, DraftContext
+from jspec.drafters.dflash import DFlash, DFlashState, write_context
+from jspec.drafters.dloop import DLoop
+from jspec.verify import rules
+from jspec.verify.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 3, 44, 5, 9], [7, 8, 7, 8, 7, 8, 7, 8, 7], [11, 12, 13, 14]]
+NEW = 18
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from conftest import make_hf_model
+
+    path = tmp_path_factory.mktemp("target")
+    make_hf_model("qwen3", layers=4, seed=5).save_pretrained(path)
+    return jspec.load_target(str(path))
+
+
+def _run(drafter, layers=2, block=4):
+    return {"drafter": {"num_layers": layers, "block_size": block, "mask_token_id": 100, "num_taps": 2,
+                        **drafter}, "init_std": 0.3}
+
+
+@pytest.fixture(scope="module")
+def inners(target):
+    """A DFlash, a DFlash2 (random convolutions and selector) and a DSpark drafter, 3 drafts a stage."""
+    out = {"dflash": dflash._build(_run({}), target, jax.random.key(0))}
+    d2, p2 = dflash2._build(_run(dict(selector_rank=8, selector_top_k=4)), target, jax.random.key(1))
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    noisy = lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype)
+    out["dflash2"] = d2, dict(p2, convs=jax.tree_util.tree_map(noisy, p2["convs"]),
+                              selector=dict(p2["selector"], succ=noisy(p2["selector"]["succ"])))
+    out["dspark"] = dspark._build(_run(dict(markov_rank=8, markov_head_type="gated"), block=3), target,
+                                  jax.random.key(3))
+    return out
+
+
+def _generate(target, drafter, sampling, verifier=None, prompts=PROMPTS):
+    return jspec.generate(target, prompts, max_new_tokens=NEW, sampling=sampling, seeds=[3, 4, 5][:len(prompts)],
+                          eos_ids=[], drafter=drafter, verifier=verifier)
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark"])
+def test_text_equals_plain_decoding(target, inners, name):
+    """Greedy and Gumbel-coupled text equals plain decoding's with 1..3 stages; the gate at -inf always
+    loops (every round verifies S g drafts), at +inf never (one stage)."""
+    inner, params = inners[name]
+    plain = {t: _generate(target, None, SamplingParams(t)).tokens for t in (0.0, 1.0)}
+    for stages, threshold in [(3, -1e9), (2, 1e9), (3, -3.0)]:
+        dr = DLoop(inner=inner, stages=stages, threshold=threshold)
+        for t in (0.0, 1.0):
+            res = _generate(target, (dr, params), SamplingParams(t))
+            assert res.tokens == plain[t], (name, stages, threshold, t)
+        if threshold < -1e8:
+            assert res.stats["verified"] == stages * inner.num_drafts * res.stats["rounds"]
+        if threshold > 1e8:
+            assert res.stats["verified"] == inner.num_drafts * res.stats["rounds"]
+
+
+def test_every_rule_runs(target, inners):
+    inner, params = inners["dflash2"]
+    dr = DLoop(inner=inner, stages=2, threshold=-4.0)
+    for name, rule in rules.RULES.items():
+        res = _generate(target, (dr, params), SamplingParams(0.0 if rule.greedy_only else 1.0), verifier=name)
+        assert [len(t) for t in res.tokens] == [NEW] * len(PROMPTS), name
+        assert all(np.isfinite(lp).all() for lp in res.logprobs), name
+
+
+def _state(target, inner, params, batch=1, context=9):
+    cfg = inner.cfg
+    taps = jax.random.normal(jax.random.key(7), (2, batch, context, target.cfg.hidden_size))
+    state = DFlashState.zeros(cfg, batch, 40, jnp.float32)
+    state = write_context(params, cfg, state, taps, jnp.zeros((batch,), jnp.int32), jnp.ones((batch, context), bool))
+    tokens = jnp.zeros((batch, 40), jnp.int32).at[:, context].set(7)
+    ctx = DraftContext(tokens, jnp.full((batch,), context + 1), jnp.arange(batch, dtype=jnp.uint32), target.params,
+                       target_cfg=target.cfg, policy=SAMPLE, sampling=SamplingParams(1.0))
+    return state, ctx
+
+
+def test_second_stage_is_the_backbone_on_provisional_features(target, inners):
+    """Stage 2 equals the backbone drafting after stage 1's last draft, its context extended by stage
+    1's slot states at stage 1's positions; the stage count follows the gate per row."""
+    inner, params = inners["dflash"]
+    g = inner.num_drafts
+    state, ctx = _state(target, inner, params, batch=2)
+    prop, state_after = DLoop(inner=inner, stages=2, threshold=-1e9).propose(params, state, ctx)
+    first, own, hidden = inner.stage(params, state, ctx)
+    np.testing.assert_array_equal(np.asarray(prop.tokens[:, :g]), np.asarray(first.tokens))
+    manual = dflash.write_features(params, inner.cfg, state, hidden[:, :g], ctx.length - 1,
+                                   jnp.ones((2, g), bool))
+    text = ctx.tokens.at[:, ctx.length[0]:ctx.length[0] + g].set(first.tokens)
+    second, _, _ = inner.stage(params, manual, dataclasses.replace(ctx, tokens=text, length=ctx.length + g,
+                                                                     round_start=ctx.length))
+    np.testing.assert_array_equal(np.asarray(prop.tokens[:, g:]), np.asarray(second.tokens))
+    np.testing.assert_allclose(np.asarray(prop.q_logp[:, g:]), np.asarray(second.q_logp), rtol=1e-6, atol=1e-6)
+    assert np.asarray(prop.length).tolist() == [2 * g, 2 * g]
+    # The gate between the two: a row whose stage-1 score is below the threshold stops at g.
+    score = np.asarray(jnp.sum(own, axis=-1))
+    mid = float(np.mean(score))
+    assert score[0] != score[1]
+    gated, _ = DLoop(inner=inner, stages=2, threshold=mid).propose(params, state, ctx)
+    assert np.asarray(gated.length).tolist() == [2 * g if s > mid else g for s in score]
+    # The committed context rows (< the anchor) are untouched: provisional rows start at the anchor.
+    for a, b in zip(state.k, state_after.k):
+        np.testing.assert_array_equal(np.asarray(a)[:, :ctx.length[0] - 1], np.asarray(b)[:, :ctx.length[0] - 1])
+
+
+def test_bad_inner_drafters_are_refused(target, inners):
+    inner, _ = inners["dflash"]
+    with pytest.raises(ValueError, match="DLoop drafts chains"):
+        DLoop(inner=dataclasses.replace(inner, tree_budget=4))
+    with pytest.raises(ValueError, match="stages must be an int >= 1"):
+        DLoop(inner=inner, stages=0)
+    from jspec.drafters.lookup import PromptLookup
+
+    with pytest.raises(ValueError, match="block drafter"):
+        DLoop(inner=PromptLookup())
+    assert isinstance(inner, DFlash)
+
+
+def test_folder_format_and_command_line(target, inners, tmp_path, capsys):
+    """A DFlash2 folder with a dloop_config section loads as DLoop (the wrapping family wins detection);
+    `jspec generate --loop-stages` wraps a plain folder the same way; both give plain greedy's text."""
+    import json
+
+    from jspec.cli import main as cli_main
+    from jspec.drafters import family
+
+    inner, params = inners["dflash2"]
+    dr = DLoop(inner=inner, stages=3, threshold=-1.5)
+    family.get_family("dloop").save(str(tmp_path / "loop"), dr, params)
+    assert json.loads((tmp_path / "loop" / "config.json").read_text())["dloop_config"] == {"stages": 3,
+                                                                                          "threshold": -1.5}
+    loaded, _ = jspec.load_drafter(str(tmp_path / "loop"), target)
+    assert loaded == dr
+    family.get_family("dflash2").save(str(tmp_path / "plain"), inner, params)
+    plain = _generate(target, None, SamplingParams(0.0), prompts=PROMPTS[:1]).tokens[0]
+    assert _generate(target, str(tmp_path / "loop"), SamplingParams(0.0), prompts=PROMPTS[:1]).tokens[0] == plain
+    args = ["generate", "--target", target.path, "--drafter", str(tmp_path / "plain"), "--prompt-ids",
+            ",".join(map(str, PROMPTS[0])), "--max-new-tokens", str(NEW), "--json"]
+    assert cli_main(args + ["--loop-stages", "3", "--loop-threshold", "-1.5"]) in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain
+    assert cli_main(args + ["--loop-threshold", "-1.5"]) == 2
+    assert "--loop-threshold gates DLoop stages" in capsys.readouterr().err
