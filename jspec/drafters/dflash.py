@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jspec.drafters import ddtree
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, TrainRecipe, register_family
-from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
-from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
+from jspec.io.drafters import load_declared, read_config, required, stack_config, stack_hf, write_checkpoint
+from jspec.io.hf import CheckpointError, declared_tensors, export_tensors
 from jspec.kernels import draft as fused_draft
 from jspec.kernels import use_pallas
 from jspec.models import layers, quant, transformer
@@ -483,13 +483,14 @@ def hf_settings(cfg: DFlashConfig) -> dict:
 def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DFlashConfig, dict]:
     """(config, parameters) of a z-lab DFlash checkpoint folder; strict about every tensor."""
     cfg = config_from_hf(read_config(path))
-    found = read_safetensors(path)
-    for old, new in _OLD_NAMES.items():  # the older release's names
+    return cfg, load_declared(path, declarations(cfg), param_shapes(cfg), "DFlash", dtype, _renamed)
+
+
+def _renamed(found: dict) -> dict:
+    """The older release's tensor names read as today's."""
+    for old, new in _OLD_NAMES.items():
         found = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in found.items()}
-    expected = declared_tensors(declarations(cfg))
-    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"DFlash checkpoint {path!r}",
-                  "point --drafter at a DFlash checkpoint for this config")
-    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+    return found
 
 
 def save_checkpoint(path: str, cfg: DFlashConfig, params: dict, dtype=None) -> None:

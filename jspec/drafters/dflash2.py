@@ -40,8 +40,8 @@ from jspec.drafters import dflash
 from jspec.drafters.base import DraftContext, Proposal, draft_noise
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState
 from jspec.drafters.family import Family, TrainRecipe, register_family
-from jspec.io.drafters import read_config, stack_hf, write_checkpoint
-from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
+from jspec.io.drafters import load_declared, read_config, stack_hf, write_checkpoint
+from jspec.io.hf import CheckpointError, declared_tensors, export_tensors
 from jspec.kernels.draft import ref_block_attention
 from jspec.models import layers, transformer
 from jspec.models.attention import KV_CHUNK
@@ -325,11 +325,7 @@ def config_from_hf(hf: dict) -> DFlash2Config:
 def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DFlash2Config, dict]:
     """(config, parameters) of a DFlash2 checkpoint folder; strict about every tensor."""
     cfg = config_from_hf(read_config(path))
-    found = read_safetensors(path)
-    expected = declared_tensors(declarations(cfg))
-    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"DFlash2 checkpoint {path!r}",
-                  "point --drafter at a DFlash2 checkpoint for this config")
-    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+    return cfg, load_declared(path, declarations(cfg), param_shapes(cfg), "DFlash2", dtype)
 
 
 def save_checkpoint(path: str, cfg: DFlash2Config, params: dict, dtype=None) -> None:

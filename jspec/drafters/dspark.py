@@ -35,8 +35,8 @@ from jspec.drafters import dflash
 from jspec.drafters.base import DraftContext, Proposal
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState, draft_block
 from jspec.drafters.family import Family, TrainRecipe, register_family
-from jspec.io.drafters import read_config, required, stack_config, stack_hf, write_checkpoint
-from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
+from jspec.io.drafters import load_declared, read_config, required, stack_config, stack_hf, write_checkpoint
+from jspec.io.hf import declared_tensors, export_tensors
 from jspec.models import quant, transformer
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
@@ -254,11 +254,7 @@ def config_from_hf(hf: dict) -> DSparkConfig:
 def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[DSparkConfig, dict]:
     """(config, parameters) of a DeepSpec DSpark checkpoint folder; strict about every tensor."""
     cfg = config_from_hf(read_config(path))
-    found = read_safetensors(path)
-    expected = declared_tensors(declarations(cfg))
-    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"DSpark checkpoint {path!r}",
-                  "point --drafter at a DSpark checkpoint for this config")
-    return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+    return cfg, load_declared(path, declarations(cfg), param_shapes(cfg), "DSpark", dtype)
 
 
 def save_checkpoint(path: str, cfg: DSparkConfig, params: dict, dtype=None) -> None:

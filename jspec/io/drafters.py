@@ -12,7 +12,7 @@ import os
 from safetensors.numpy import save_file
 
 from jspec.io.files import read_json_object
-from jspec.io.hf import CheckpointError
+from jspec.io.hf import CheckpointError, assemble, check_tensors, declared_tensors, read_safetensors
 from jspec.models.config import ModelConfig
 
 
@@ -29,6 +29,19 @@ def required(hf: dict, *names: str, where: str) -> list:
     if missing:
         raise CheckpointError(f"{where}: config.json lacks required fields {missing}")
     return [hf[n] for n in names]
+
+
+def load_declared(path: str, declarations, param_shapes, what: str, dtype, rename=None) -> dict:
+    """A drafter folder's parameters, strictly: every declared tensor present with its declared shape and
+    nothing else (one CheckpointError naming each problem). rename: names -> names of an older release,
+    applied to the file's tensors first. what: the format's name, for the message."""
+    found = read_safetensors(path)
+    if rename is not None:
+        found = rename(found)
+    expected = declared_tensors(declarations)
+    check_tensors(found, {n: e[0] for n, e in expected.items()}, f"{what} checkpoint {path!r}",
+                  f"point --drafter at a {what} checkpoint for this config")
+    return assemble(found, expected, param_shapes, dtype)
 
 
 def stack_config(hf: dict) -> ModelConfig:
