@@ -48,7 +48,11 @@ builtin: $(VENV)/.base
 	$(VENV)/bin/jspec train target --config configs/code-target.json --out runs/code-target
 	$(VENV)/bin/jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
 	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark
-	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model
+	$(PY) -m jspec.train.upgrade runs/code-dflash/model runs/code-dflash2-init
+	$(VENV)/bin/jspec train dflash2 --init runs/code-dflash2-init --config configs/code-dflash2.json \
+		--target runs/code-target/model --out runs/code-dflash2
+	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model \
+		runs/code-dflash2/model
 
 # Re-resolve pyproject.toml's ranges (the newest releases they admit) in a fresh venv and write the lock
 # files (the test lock with setuptools, which torch needs at run time); run the suite on the result before

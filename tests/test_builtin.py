@@ -38,3 +38,12 @@ def test_dspark_beats_dflash_at_temperature_1(setup):
 def test_unknown_builtin_is_named():
     with pytest.raises(FileNotFoundError, match="no built-in model 'nope'.*code-dflash"):
         jspec.load_target("builtin:nope")
+
+
+def test_dflash2_drafts_longer_greedy_chains_than_its_backbone(setup):
+    """Same prompts, greedy: the built-in DFlash2 (the built-in DFlash's tensors plus the convolutions and
+    the pair selector, fine-tuned 400 steps: configs/code-dflash2.json) beats DFlash's tau."""
+    target, prompts = setup
+    two = _tau(target, prompts, "builtin:code-dflash2", SamplingParams(0.0), "greedy")
+    one = _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy")
+    assert two > one and two >= 3.3

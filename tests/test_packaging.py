@@ -122,7 +122,7 @@ def test_every_imported_library_is_declared(project):
 
 
 def test_builtin_training_configs_ship_with_the_package(tmp_path):
-    assert set(lm.builtin_configs()) >= {"code-target", "code-dflash", "code-dspark"}
+    assert set(lm.builtin_configs()) >= {"code-target", "code-dflash", "code-dspark", "code-dflash2"}
     cfg = lm.load_run_config("builtin:code-dflash", "drafter")
     assert cfg["drafter"]["block_size"] == 8
     with pytest.raises(FileNotFoundError, match=r"no built-in training config 'nope'.*code-dflash"):
@@ -135,7 +135,7 @@ def test_wheel_carries_configs_models_license_and_types(tmp_path):
                     "-w", str(tmp_path)], check=True, capture_output=True, env=dict(os.environ, PIP_NO_INPUT="1"))
     (wheel,) = glob.glob(str(tmp_path / "jspec-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for cfg in ("code-target", "code-dflash", "code-dspark"):
+    for cfg in ("code-target", "code-dflash", "code-dspark", "code-dflash2"):
         assert f"jspec/configs/{cfg}.json" in names
         assert any(n.startswith(f"jspec/builtin/{cfg}/") and n.endswith(".safetensors") for n in names)
     assert "jspec/py.typed" in names
