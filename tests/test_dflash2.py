@@ -20,18 +20,9 @@ from jspec.drafters.dflash import DFlashState, write_context
 from jspec.io.hf import CheckpointError
 from jspec.train.drafter import DrafterLoss
 from jspec.verify.sampling import SamplingParams
-from test_dflash_config import CONTEXT, _rms, _rope, hf_config, sliding
+from test_dflash_config import CONTEXT, _rms, _rope, hf_config, sliding, target  # noqa: F401 (target: the shared fixture)
 
 BLOCK, K, GROUP, RANK, TOP = 6, 2, 16, 8, 4
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    from conftest import make_hf_model
-
-    path = tmp_path_factory.mktemp("target")
-    make_hf_model("qwen3", layers=4, seed=5).save_pretrained(path)
-    return jspec.load_target(str(path))
 
 
 def hf2(target, **changes) -> dict:

@@ -86,13 +86,17 @@ def _damaged(path: str, err: Exception) -> CheckpointError:
                            "copy leaves such files: download or write it again")
 
 
-def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
-    """Every tensor of a directory's model.safetensors (or its sharded index), as numpy arrays.
+def read_safetensors(model_dir: str, prefix: str = "") -> dict[str, np.ndarray]:
+    """Every tensor of a directory's model.safetensors (or its sharded index) whose name starts with
+    `prefix`, as numpy arrays; with an index, only the shards it maps such tensors to are opened.
 
     With an index, a tensor is read from the shard the index names (a copy in another shard is
     ignored) and an index naming a shard that lacks the tensor is an error; without one, a tensor
     stored in two files is an error naming both. A damaged file is a CheckpointError naming it."""
     files, weight_map, index = _safetensor_files(model_dir)
+    if weight_map is not None and prefix:
+        weight_map = {n: s for n, s in weight_map.items() if n.startswith(prefix)}
+        files = [f for f in files if f in {os.path.join(model_dir, s) for s in weight_map.values()}]
     shard_of = {os.path.join(model_dir, s): s for s in set((weight_map or {}).values())}  # path -> index's name
     found: dict[str, np.ndarray] = {}
     source: dict[str, str] = {}
@@ -100,7 +104,7 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
         shard = shard_of.get(path)
         try:
             with safe_open(path, framework="numpy") as f:
-                names = list(f.keys())
+                names = [n for n in f.keys() if n.startswith(prefix)]
                 if weight_map is not None:
                     absent = sorted(set(n for n, s in weight_map.items() if s == shard) - set(names))
                     if absent:

@@ -26,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jspec.errors import CheckpointError
-from jspec.io.hf import _damaged, _safetensor_files, check_tensors, np_dtype, read_safetensors
+from jspec.io.hf import check_tensors, np_dtype, read_safetensors
 from jspec.models.declare import Declared
 from jspec.models.hybrid import HybridConfig, declarations, load_hybrid_config
 
@@ -214,33 +213,10 @@ def save_hybrid_params(model_dir: str, cfg: HybridConfig, params: dict, dtype=No
 
 
 def read_tensors_under(model_dir: str, prefix: str) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors whose names start with `prefix`, as numpy arrays. Only the files that hold
-    them are read (with an index, only the shards it maps them to): the MTP module of a large checkpoint is
-    a few tensors beside the whole model. A tensor stored in two files, or a damaged file, is a
-    CheckpointError naming them (as `jspec.io.hf.read_safetensors`)."""
-    files, weight_map, _ = _safetensor_files(model_dir)
-    if weight_map is not None:
-        shards = {os.path.join(model_dir, s) for n, s in weight_map.items() if n.startswith(prefix)}
-        files = [f for f in files if f in shards]
-    found: dict[str, np.ndarray] = {}
-    source: dict[str, str] = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="numpy") as f:
-                for name in f.keys():
-                    if not name.startswith(prefix):
-                        continue
-                    shard = None if weight_map is None else weight_map.get(name)
-                    if shard is not None and os.path.join(model_dir, shard) != path:
-                        continue  # the index names another shard's copy
-                    if name in source:
-                        raise CheckpointError(f"tensor {name!r} is stored in two files, {source[name]} and {path}: "
-                                              "jspec cannot tell which copy to load; remove the stale file")
-                    found[name] = f.get_tensor(name)
-                    source[name] = path
-        except (SafetensorError, OSError) as err:
-            raise _damaged(path, err) from err
-    return found
+    """The checkpoint's tensors whose names start with `prefix` (`jspec.io.hf.read_safetensors`): with an
+    index, only the shards it maps them to are read; the MTP module of a large checkpoint is a few tensors
+    beside the whole model."""
+    return read_safetensors(model_dir, prefix)
 
 
 def _mtp_groups(declared: dict) -> list[dict[str, Declared]]:
