@@ -78,6 +78,9 @@ class DraftContext:
     # round's verify pass: read it in place, never write it
     round_start: jax.Array | None = dataclasses.field(default=None, kw_only=True)  # [B] the round's first
     # draft index when a drafter drafts past `length` in stages (DLoop); None: length. Keys its own noise.
+    noise_stream: int = dataclasses.field(default=0, kw_only=True, metadata=dict(static=True))  # a sampling
+    # drafter that draws the same index more than once in a round (a re-drafting pass: D-Loop, DEdit) draws
+    # each pass from its own stream, so a redraw is independent of the draw it replaces
 
     def __post_init__(self):
         if isinstance(self.sampling, SamplingParams):
@@ -171,17 +174,18 @@ class Drafter(abc.ABC):
         elif ctx.policy == GUMBEL:  # the target's own noise: coupling makes agreement likely
             token = gumbel_argmax(logp, noise.gumbel(ctx.seeds, index, noise.GUMBEL, vocab))
         else:
-            token = gumbel_argmax(logp, draft_noise(ctx.seeds, index, ctx.noise_start, vocab))
+            token = gumbel_argmax(logp, draft_noise(ctx.seeds, index, ctx.noise_start, vocab, ctx.noise_stream))
         return token, logp
 
 
-def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, vocab: int) -> jax.Array:
+def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, vocab: int, stream: int = 0) -> jax.Array:
     """A sampling drafter's own Gumbel noise [..., V] at absolute indices, fresh in every round.
 
     Keyed by (seed, index, DRAFT) and folded by the offset index - round_start. Block verification
     reads drafts past the accepted prefix, so the drafts it discards are correlated with the text it
     commits; redrawing those indices next round with the same noise would bias the output. Two rounds
-    never start at the same index, so the offset makes each round's draws new.
+    never start at the same index, so the offset makes each round's draws new. stream > 0 (static) folds
+    the key once more: the draws of a second pass over the same indices, independent of the first's.
     """
     index = jnp.asarray(index)
     extra = index.ndim - jnp.ndim(seeds)
@@ -190,6 +194,8 @@ def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, voca
 
     def one(s, i, r):
         key = jax.random.fold_in(noise.position_key(s, i, noise.DRAFT), jnp.asarray(i - r, jnp.uint32))
+        if stream:
+            key = jax.random.fold_in(key, stream)
         return jax.random.gumbel(key, (vocab,), jnp.float32)
 
     fn = one

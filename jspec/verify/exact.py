@@ -252,19 +252,35 @@ def chain_outputs(rule_from_coins, tables: Tables, g: int, length=None) -> list:
     reads only earlier drafts).
     Returns outputs[m] [V^m] for m = 0..g+1.
     """
-    drafts, prob, target_rows, draft_rows = enumerate_drafts(tables, g)
-    patterns = _patterns(g)
-    coins = np.where(patterns, COIN_PASS, COIN_FAIL).astype(np.float32)
+    drafts, prob, _, draft_rows = enumerate_drafts(tables, g)
     per_draft = (np.full(len(drafts), g if length is None else length, np.int64) if not callable(length)
                  else np.array([length(tuple(int(t) for t in d)) for d in drafts], np.int64))
-    outputs = _empty_outputs(tables.vocab, g + 1)
-    for lim in np.unique(per_draft):
-        sel = per_draft == lim
+    return proposal_outputs(rule_from_coins, tables, drafts, prob, draft_rows, per_draft)
+
+
+def proposal_outputs(rule_from_coins, tables: Tables, drafts, prob, draft_rows, lengths=None) -> list:
+    """`chain_outputs` of explicitly listed proposals: drafts [D, g] with probabilities prob [D] (summing to
+    1), each verified with the rows draft_rows [D, g, V] the drafter reports for it, and lengths [D] (None:
+    g). A draft may be listed several times with different rows: a drafter whose rows depend on hidden
+    draws (an earlier pass's discarded drafts) lists one entry per hidden outcome."""
+    drafts = np.asarray(drafts, np.int64)
+    d, g = drafts.shape
+    vocab = tables.vocab
+    target_rows = np.stack([tables.logp[k][np.array([code(x[:k], vocab) for x in drafts], np.int64)]
+                            for k in range(g + 1)], 1)
+    lengths = np.full(d, g, np.int64) if lengths is None else np.asarray(lengths, np.int64)
+    patterns = _patterns(g)
+    coins = np.where(patterns, COIN_PASS, COIN_FAIL).astype(np.float32)
+    outputs = _empty_outputs(vocab, g + 1)
+    for lim in np.unique(lengths):
+        sel = lengths == lim
         out = _chain_runner(rule_from_coins)(jnp.asarray(target_rows[sel]), jnp.asarray(drafts[sel], jnp.int32),
-                                             jnp.asarray(draft_rows[sel]), jnp.asarray(coins), jnp.int32(lim))
+                                             jnp.asarray(draft_rows[sel], jnp.float32), jnp.asarray(coins),
+                                             jnp.int32(lim))
         n = np.asarray(out.n).reshape(-1)
-        weight = (prob[sel, None] * _pattern_weights(patterns[None], np.asarray(out.threshold))).reshape(-1)
-        token_probs = _softmax64(np.asarray(out.token_logp)).reshape(-1, tables.vocab)
+        weight = (np.asarray(prob, np.float64)[sel, None]
+                  * _pattern_weights(patterns[None], np.asarray(out.threshold))).reshape(-1)
+        token_probs = _softmax64(np.asarray(out.token_logp)).reshape(-1, vocab)
         emitted = np.repeat(drafts[sel], patterns.shape[0], axis=0)
         _accumulate(outputs, weight, emitted, n, token_probs)
     return outputs
