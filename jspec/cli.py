@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--loop-threshold", type=float, default=None, metavar="T",
                     help="DLoop: draft another stage while the last stage's summed drafter log-prob exceeds T "
                          "(default -2.0)")
+    sp.add_argument("--redraft-after", default=None, metavar="J[,J...]",
+                    help="D-Loop: after the DFlash block, re-draft it with drafts 1..J revealed and keep the "
+                         "regenerated suffix (one extra draft pass per boundary J)")
+    sp.add_argument("--edit-passes", type=int, default=0, metavar="N",
+                    help="DEdit: N passes after the DFlash block, each re-predicting every draft from the current "
+                         "ones (0 = off)")
     gen.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                      help="run on a device mesh of axes data, fsdp, model, e.g. model=4 (tensor parallel; one "
                           "prompt needs data = fsdp = 1; data takes the devices left over); default: one device")
@@ -267,10 +273,9 @@ def cmd_generate(args) -> int:
     kw = _request_kwargs(args, mesh)
     spec_kw = dict(drafter=drafter, verifier=args.verifier, block_size=args.block_size, tree_budget=args.tree_budget,
                    verify_budget="profile" if args.verify_budget else None)
-    if args.loop_stages == 1 and args.loop_threshold is not None:
-        raise ValueError("--loop-threshold gates DLoop stages: add --loop-stages S (S > 1), or drop it")
-    if args.loop_stages != 1:
-        spec_kw.update(drafter=_looped(target, drafter, args), block_size=None, tree_budget=0)
+    wrapped = _wrapped(target, drafter, args)
+    if wrapped is not None:
+        spec_kw.update(drafter=wrapped, block_size=None, tree_budget=0)
     if args.input_file is not None:
         if compare:
             raise ValueError("--compare times one prompt against plain AR decoding: drop it with --input-file")
@@ -368,15 +373,33 @@ def read_requests(path: str) -> list[dict]:
     return out
 
 
-def _looped(target, drafter: str, args):
-    """The drafter wrapped in DLoop stages (--loop-stages / --loop-threshold): (DLoop, params)."""
+def _wrapped(target, drafter: str, args):
+    """The drafter wrapped by one of --loop-stages (DLoop), --redraft-after (D-Loop) or --edit-passes (DEdit):
+    (wrapper, params), or None when none is asked for."""
     import jspec
     from jspec.drafters.dloop import DLoop
+    from jspec.drafters.refine import DEdit, PrefixLoop
 
+    if args.loop_stages == 1 and args.loop_threshold is not None:
+        raise ValueError("--loop-threshold gates DLoop stages: add --loop-stages S (S > 1), or drop it")
+    asked = [flag for flag, on in (("--loop-stages", args.loop_stages != 1), ("--redraft-after", args.redraft_after),
+                                   ("--edit-passes", args.edit_passes)) if on]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ValueError(f"{' and '.join(asked)} each re-draft the block their own way: give one of them")
     if drafter == "none":
-        raise ValueError("--loop-stages repeats a block drafter's stages: give --drafter (a DFlash, DFlash2 or DSpark "
-                         "checkpoint), or drop --loop-stages")
+        raise ValueError(f"{asked[0]} re-drafts a block drafter: give --drafter (a DFlash checkpoint), or drop it")
     inner, params = jspec.load_drafter(drafter, target, block_size=args.block_size, tree_budget=args.tree_budget)
+    if args.redraft_after:
+        try:
+            boundaries = tuple(int(t) for t in args.redraft_after.replace(" ", "").split(","))
+        except ValueError:
+            raise ValueError(f"--redraft-after takes comma-separated ints (drafts kept before each re-draft), got "
+                             f"{args.redraft_after!r}") from None
+        return PrefixLoop(inner=inner, boundaries=boundaries), params
+    if args.edit_passes:
+        return DEdit(inner=inner, edit_passes=args.edit_passes), params
     threshold = -2.0 if args.loop_threshold is None else args.loop_threshold
     return DLoop(inner=inner, stages=args.loop_stages, threshold=threshold), params
 

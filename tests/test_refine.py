@@ -247,3 +247,22 @@ def test_training_reaches_the_backbone(target, family):
     with pytest.raises(ValueError, match="only slot-wise losses"):
         fam.recipe.loss(params, target.params, target.cfg, drafter, DrafterLoss(name="bv", num_anchors=4), batch,
                         jax.random.key(2))
+
+
+def test_command_line(target, backbone, tmp_path, capsys):
+    """`jspec generate --redraft-after` / `--edit-passes` wrap a DFlash folder; greedy text is plain greedy's;
+    the re-drafting flags exclude each other."""
+    from jspec.cli import main as cli_main
+
+    inner, params = backbone
+    jspec.drafters.get_family("dflash").save(str(tmp_path / "plain"), inner, params)
+    plain = jspec.generate(target, PROMPTS[:1], max_new_tokens=12, eos_ids=[]).tokens[0]
+    args = ["generate", "--target", target.path, "--drafter", str(tmp_path / "plain"), "--prompt-ids",
+            ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "12", "--json"]
+    for extra in (["--redraft-after", "1,3"], ["--edit-passes", "2"]):
+        assert cli_main(args + extra) in (0, None)
+        assert json.loads(capsys.readouterr().out)["tokens"] == plain, extra
+    assert cli_main(args + ["--edit-passes", "1", "--loop-stages", "2"]) == 2
+    assert "--loop-stages and --edit-passes each re-draft the block" in capsys.readouterr().err
+    assert cli_main(args + ["--redraft-after", "1;2"]) == 2
+    assert "--redraft-after takes comma-separated ints" in capsys.readouterr().err
