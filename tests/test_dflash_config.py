@@ -283,3 +283,22 @@ def test_speculative_output_with_every_knob(target, knob_drafter, temperature, v
     spec = jspec.generate(target, prompts, drafter=knob_drafter, verifier=verifier, **kw)
     assert spec.stats["rounds"] > 0
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("loss", ["edr", "edr_block"])
+def test_the_rollout_losses_train_a_block_drafter(target, loss):
+    """A run config's "edr" / "edr_block" loss anchors DFlash blocks at every position of a response window
+    and trains through them (finite value, gradients reach the drafter; its value on the window is the
+    rollout's EDR: tests/test_offline_eval.py)."""
+    from jspec.drafters import dflash
+    from jspec.train.distill import drafter_loss
+
+    run = {"drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 100, "num_taps": 2}, "init_std": 0.3}
+    drafter, params = dflash._build(run, target, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 3, target.cfg.vocab_size)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens).at[:, :4].set(0)}
+    spec = drafter_loss({"loss": loss, "num_anchors": 12})
+    fn = lambda p: dflash.train_loss(p, target.params, target.cfg, drafter, spec, batch, jax.random.key(2))
+    (value, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+    assert 1 / 4 <= float(value) <= 1  # rounds per committed token: at least one round per block of 4
+    assert float(jnp.abs(grads["fc"]).max()) > 0

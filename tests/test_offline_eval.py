@@ -366,3 +366,42 @@ def test_greedy_matches_the_loop(builtin):
     assert min(loop_rounds) < 39  # drafts were accepted
     out = evaluate.offline_tau("greedy", stats)
     np.testing.assert_allclose(out["tau"], 3 * 39 / sum(loop_rounds))
+
+
+# --- EDR as a run's loss: blocks anchored at every position of a rollout window ------------------------------
+
+
+@pytest.mark.parametrize("rule, name", [("speculative", "edr"), ("block", "edr_block")])
+def test_edr_from_consecutive_blocks_is_edr_of_the_rollout(rule, name):
+    """The block tensors a recipe builds for anchors at consecutive positions (labels, the target's rows,
+    the cut-off mask of `drafter.block_targets`) give the rollout's EDR loss: the run config's "edr" /
+    "edr_block" train exactly `edr_loss` on the window."""
+    from jspec.train import drafter as train_drafter
+
+    toy = _toy(6)
+    texts = np.array([[0, 1, 2, 0, 1, 2], [2, 2, 1, 0, 0, 1]])
+    d, t, y, _ = _edr_inputs(toy, texts, toy.theta)
+    lens = np.array([6, 4])
+    rollout_mask = jnp.asarray(np.arange(N)[None] < lens[:, None], jnp.float32)
+    # The recipe's view: the rollout as one sequence [B, N + 1] (a prompt token, then y_0 .. y_5), whose
+    # next-token rows are the target's, and blocks anchored at y_0 .. y_5.
+    tokens = jnp.concatenate([jnp.zeros((2, 1), y.dtype), y], axis=1)
+    loss_mask = jnp.concatenate([jnp.zeros((2, 1)), rollout_mask], axis=1)
+    target_logp = jnp.concatenate([t, t[:, :1]], axis=1)  # row i: the token at i + 1 (y_i); the last unused
+    anchors, valid = train_drafter.window_anchors(jax.random.key(0), loss_mask, N)
+    assert np.array_equal(anchors, np.broadcast_to(np.arange(1, N + 1), (2, N)))  # the whole rollout: one start
+    labels, mask, p_t = train_drafter.block_targets(G, tokens, loss_mask, target_logp, anchors, valid)
+    got = losses.LOSSES[name](d, p_t, labels, mask)
+    want = losses.edr_loss(d, t, y, rollout_mask, rule)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_window_anchors_stay_on_the_response():
+    from jspec.train import drafter as train_drafter
+
+    mask = jnp.asarray([[0] * 5 + [1] * 20 + [0] * 3, [0] * 2 + [1] * 4 + [0] * 22], jnp.float32)
+    for seed in range(5):
+        anchors, valid = train_drafter.window_anchors(jax.random.key(seed), mask, 8)
+        a, v = np.asarray(anchors), np.asarray(valid)
+        assert np.all(np.diff(a[0]) == 1) and 5 <= a[0, 0] <= 17 and v[0].all()
+        assert a[1, 0] == 2 and v[1].tolist() == [True] * 4 + [False] * 4

@@ -556,7 +556,7 @@ def train_loss(params, target_params, target_cfg, drafter: DFlash, spec, batch: 
     cfg = drafter.cfg
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, cfg.target_layer_ids)
-    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     labels, mask, p_t = train_drafter.block_targets(cfg.num_drafts, tokens, loss_mask, target_logp, anchors, valid)
     hidden = train_hidden(params, cfg, target_params["embed"], taps, tokens, anchors)
     draft_logp = jax.nn.log_softmax(draft_logits(target_params, target_cfg, cfg, hidden), axis=-1)

@@ -377,7 +377,7 @@ def train_loss(params, target_params, target_cfg, drafter: DFlash2, spec, batch:
     cfg, b = drafter.dflash2, drafter.cfg
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, b.target_layer_ids)
-    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     labels, mask, p_t = train_drafter.block_targets(b.num_drafts, tokens, loss_mask, target_logp, anchors, valid)
     n, t = tokens.shape
     ctx_k, ctx_v = dflash.context_kv(params, b, taps, jnp.broadcast_to(jnp.arange(t), (n, t)))

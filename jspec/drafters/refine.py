@@ -177,7 +177,7 @@ def _setup(target_params, target_cfg, drafter, spec, batch, key):
     cfg = drafter.inner.cfg
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, cfg.target_layer_ids)
-    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     labels, mask, p_t = train_drafter.block_targets(cfg.num_drafts, tokens, loss_mask, target_logp, anchors, valid)
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
     return cfg, tokens, taps, anchors, labels, mask, p_t, anchor_tok

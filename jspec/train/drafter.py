@@ -40,6 +40,29 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tu
     return idx.astype(jnp.int32), top >= 0
 
 
+def window_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """Anchors [B, A] at consecutive positions s_b .. s_b + A - 1 of each sequence's response (the loss
+    mask's span), s_b uniform among the starts that keep the window inside it (the response's first
+    position when it is shorter than A); valid [B, A]: the anchor lies on the response."""
+    b, t = loss_mask.shape
+    on = loss_mask > 0
+    first = jnp.argmax(on, axis=1)
+    end = t - jnp.argmax(on[:, ::-1], axis=1)  # one past the last response position
+    last_start = jnp.maximum(first, end - num_anchors)
+    start = first + jnp.floor(jax.random.uniform(key, (b,)) * (last_start - first + 1)).astype(first.dtype)
+    anchors = start[:, None] + jnp.arange(num_anchors)[None]
+    valid = (anchors < end[:, None]) & jnp.any(on, axis=1, keepdims=True)
+    return jnp.minimum(anchors, t - 1).astype(jnp.int32), valid
+
+
+def anchors_for(spec, key: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The anchors a run's loss trains on: a window of consecutive ones for the rollout losses (EDR),
+    distinct random ones otherwise (`sample_anchors`)."""
+    if spec.name in losses.WINDOW_LOSSES:
+        return window_anchors(key, loss_mask, spec.num_anchors)
+    return sample_anchors(key, loss_mask, spec.num_anchors)
+
+
 def target_pass(target_params, target_cfg, tokens: jax.Array, taps: tuple[int, ...]):
     """Frozen target (dense or hybrid) over [B, T]: (taps [n, B, T, H], next-token log-probs [B, T, V])."""
     b, t = tokens.shape
@@ -72,7 +95,7 @@ def distribution_loss(spec: DrafterLoss, draft_logp, p_t, labels, mask):
     if spec.name not in losses.LOSSES:
         raise ValueError(f"unknown drafter loss {spec.name!r}: use one of {', '.join(losses.LOSSES)}")
     fn = losses.LOSSES[spec.name]
-    if spec.name in ("e2e_tv", "bv"):
+    if spec.name in ("e2e_tv", "bv", *losses.WINDOW_LOSSES):
         return fn(draft_logp, p_t, labels, mask)
     kw = {"eta": spec.eta} if spec.name == "lk_hybrid" else {}
     return fn(draft_logp, p_t, labels, mask, spec.gamma, **kw)

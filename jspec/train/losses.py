@@ -215,7 +215,31 @@ def domino_curriculum(ce_final, ce_base, progress, fraction: float = 1.0):
     return (1 - lam) * ce_final + lam * ce_base
 
 
+def window_rollout(target_logp, labels, mask):
+    """The rollout form `edr_rounds` reads, from the block tensors of anchors at consecutive positions
+    a_0, a_0 + 1, .. (a window of a rollout, y_j the token at a_0 + j): slot 0 of block j labels y_{j+1}
+    with the target's row for it, so tokens [B, A] (y_0 is never read), target rows [B, A, V] (row 0
+    unused) and the rollout mask [B, A] (1 while y_j lies on the rollout)."""
+    first = labels[:, :, 0]
+    tokens = jnp.concatenate([jnp.zeros_like(first[:, :1]), first[:, :-1]], axis=1)
+    rows = target_logp[:, :, 0]
+    rows = jnp.concatenate([rows[:, :1], rows[:, :-1]], axis=1)
+    live = mask[:, :, 0]
+    return tokens, rows, jnp.concatenate([live[:, :1], live[:, :-1]], axis=1)
+
+
+def edr_window_loss(draft_logp, target_logp, labels, mask, rule="speculative"):
+    """EDR (`edr_loss`) on a window of a rollout with the drafter anchored at every position of it: the
+    block tensors of consecutive anchors (`window_rollout`); what the run config's "edr" / "edr_block"
+    losses train (the recipe then anchors blocks at consecutive positions: `drafter.anchors_for`)."""
+    tokens, rows, live = window_rollout(target_logp, labels, mask)
+    return edr_loss(draft_logp, rows, tokens, live, rule)
+
+
 LOSSES = {
     "ce": ce_loss, "kl": kl_loss, "tv": tv_loss, "lk_hybrid": lk_hybrid_loss, "lk_likelihood": lk_likelihood_loss,
-    "e2e_tv": e2e_tv_loss, "bv": bv_loss,
+    "e2e_tv": e2e_tv_loss, "bv": bv_loss, "edr": edr_window_loss,
+    "edr_block": lambda draft_logp, target_logp, labels, mask: edr_window_loss(draft_logp, target_logp, labels,
+                                                                              mask, "block"),
 }
+WINDOW_LOSSES = ("edr", "edr_block")  # losses over every anchor of a rollout window, not sampled anchors
