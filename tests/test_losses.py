@@ -56,7 +56,9 @@ def np_losses(d, t, labels, mask, gamma=4.0, eta=3.0):
     return out
 
 
-@pytest.mark.parametrize("name", sorted(set(losses.LOSSES) - {"bv"}))  # bv: against the rule, below
+# bv: against the rule, below; dpace: weights held constant, below; the window losses: below and in
+# tests/test_offline_eval.py (against EDR on the rollout)
+@pytest.mark.parametrize("name", sorted(set(losses.LOSSES) - {"bv", "dpace", *losses.WINDOW_LOSSES}))
 def test_value_and_gradient_match_numpy(name):
     d, t, labels, mask = _case()
     fn = losses.LOSSES[name]
@@ -291,3 +293,90 @@ def test_bv_value_and_gradient_with_masks():
             num[idx] = (float(loss(jnp.asarray(hi))) - float(loss(jnp.asarray(lo)))) / (2 * eps)
     np.testing.assert_allclose(np.asarray(grad), num, atol=1e-7)
     assert np.all(np.asarray(grad)[1] == 0)  # the empty block does not count
+
+
+# --- D-PACE and Draft-OPD ---------------------------------------------------------------------------
+
+
+def _np_dpace(d, t, labels, mask, weights=None):
+    """D-PACE by loops: w_k = (1 / alpha_k) sum_{j >= k} prod_{i <= j} alpha_i over the counted prefix."""
+    ld, lt = _logsoftmax(d), _logsoftmax(t)
+    alpha = np.minimum(np.exp(ld), np.exp(lt)).sum(-1)
+    if weights is None:
+        weights = np.zeros_like(alpha)
+        for b in range(alpha.shape[0]):
+            n = int(np.cumprod(mask[b]).sum())
+            for k in range(n):
+                weights[b, k] = sum(np.prod(alpha[b, :j + 1]) for j in range(k, n)) / alpha[b, k]
+    nll = -np.take_along_axis(ld, labels[..., None], -1)[..., 0]
+    return (weights * nll).sum() / weights.sum(), weights
+
+
+def test_dpace_value_and_gradient():
+    """Value against loops; gradient against central differences with the position weights held constant
+    (they are a stop-gradient); early slots and slots behind confident prefixes weigh most."""
+    d, t, labels, mask = _case(3)
+    with jax.enable_x64(True):
+        value, grad = jax.value_and_grad(lambda x: losses.dpace_loss(
+            jax.nn.log_softmax(x), jax.nn.log_softmax(jnp.asarray(t)), jnp.asarray(labels), jnp.asarray(mask)))(
+            jnp.asarray(d))
+    want, w = _np_dpace(d, t, labels, mask)
+    np.testing.assert_allclose(float(value), want, rtol=1e-9)
+    assert np.all(w[:, 0] >= w[:, 1]) and w[1, 2] == 0
+    eps, num = 1e-6, np.zeros_like(d)
+    for idx in np.ndindex(d.shape):
+        hi, lo = d.copy(), d.copy()
+        hi[idx] += eps
+        lo[idx] -= eps
+        num[idx] = (_np_dpace(hi, t, labels, mask, w)[0] - _np_dpace(lo, t, labels, mask, w)[0]) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(grad), num, atol=1e-6)
+
+
+def _np_opd(ld, lt_rows, y, n_tok, g):
+    """Draft-OPD on one rollout y [N] of n_tok tokens by loops: blocks at every anchor a, slot k (1-based)
+    drafting y_{a+k} with row ld[a, k-1]; lt_rows[j] the target's row of y_j. Weight of (a, k): the
+    occupancy o_a times s_{a,k-1} = prod_{i<k} min(1, q/p) (speculative), for a + k <= n_tok - 1."""
+    n = len(y)
+    s = np.ones((n, g + 1))
+    for a in range(n):
+        for k in range(1, g + 1):
+            j = min(a + k, n - 1)
+            rho = np.exp(ld[a, k - 1, y[j]] - lt_rows[j, y[j]])
+            s[a, k] = s[a, k - 1] * min(1.0, rho)
+    o, incoming = np.zeros(n), np.zeros(n + g + 2)
+    for a in range(n):
+        if a <= n_tok - 2:
+            o[a] = incoming[a] + (a == 0)
+            for m in range(g + 1):
+                incoming[a + 1 + m] += o[a] * (s[a, m] - (s[a, m + 1] if m < g else 0.0))
+    num = den = 0.0
+    for a in range(n):
+        for k in range(1, g + 1):
+            if a + k <= n_tok - 1:
+                j = a + k
+                kl = (np.exp(lt_rows[j]) * (lt_rows[j] - ld[a, k - 1])).sum()
+                num += o[a] * s[a, k - 1] * kl
+                den += o[a] * s[a, k - 1]
+    return num, den
+
+
+def test_opd_weights_slots_by_where_rounds_verify():
+    """Draft-OPD on blocks anchored along rollouts equals the loop reference: KL per slot weighted by the
+    probability that a round starts at the anchor and reaches the slot."""
+    from jspec.train import drafter as train_drafter
+
+    rng = np.random.default_rng(5)
+    b, n, g, v = 2, 7, 3, 4
+    y = rng.integers(0, v, size=(b, n))
+    lens = np.array([7, 5])
+    lt_rows = _logsoftmax(rng.normal(size=(b, n, v)))
+    ld = _logsoftmax(1.5 * rng.normal(size=(b, n, g, v)))
+    tokens = np.concatenate([np.zeros((b, 1), int), y], axis=1)  # a prompt token, then the rollout
+    loss_mask = np.concatenate([np.zeros((b, 1)), np.arange(n)[None] < lens[:, None]], axis=1)
+    target_logp = np.concatenate([lt_rows, lt_rows[:, :1]], axis=1)  # row i: the token at i + 1
+    anchors, valid = train_drafter.window_anchors(jax.random.key(0), jnp.asarray(loss_mask), n)
+    labels, mask, p_t = train_drafter.block_targets(g, jnp.asarray(tokens), jnp.asarray(loss_mask),
+                                                    jnp.asarray(target_logp, jnp.float32), anchors, valid)
+    got = losses.opd_loss(jnp.asarray(ld, jnp.float32), p_t, labels, mask)
+    parts = [_np_opd(ld[i], lt_rows[i], y[i], lens[i], g) for i in range(b)]
+    np.testing.assert_allclose(float(got), sum(p[0] for p in parts) / sum(p[1] for p in parts), rtol=1e-5)

@@ -95,7 +95,7 @@ def distribution_loss(spec: DrafterLoss, draft_logp, p_t, labels, mask):
     if spec.name not in losses.LOSSES:
         raise ValueError(f"unknown drafter loss {spec.name!r}: use one of {', '.join(losses.LOSSES)}")
     fn = losses.LOSSES[spec.name]
-    if spec.name in ("e2e_tv", "bv", *losses.WINDOW_LOSSES):
+    if spec.name in ("e2e_tv", "bv", "dpace", *losses.WINDOW_LOSSES):
         return fn(draft_logp, p_t, labels, mask)
     kw = {"eta": spec.eta} if spec.name == "lk_hybrid" else {}
     return fn(draft_logp, p_t, labels, mask, spec.gamma, **kw)

@@ -9,7 +9,9 @@ alpha_k = sum_x min(p_d(x), p_t(x)) = 1 - TV_k is the probability that speculati
 the drafter's token at position k given that the earlier ones were accepted.
 
 `edr_rounds` / `edr_loss` read whole target rollouts instead of blocks (the drafter anchored at every
-rollout token: [B, N, g, V]); they are not in LOSSES.
+rollout token: [B, N, g, V]); LOSSES holds their window forms ("edr", "edr_block", and "opd", which
+weights by the occupancy), which a recipe feeds blocks anchored at consecutive positions
+(`jspec.train.drafter.anchors_for`).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def bv_loss(draft_logp, target_logp, labels, mask, gamma=None):
     return jnp.sum(jnp.where(valid, per, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def edr_rounds(draft_logp, target_logp, tokens, mask, rule="speculative"):
+def edr_rounds(draft_logp, target_logp, tokens, mask, rule="speculative", parts=False):
     """Expected rounds [B] of chain speculative decoding along target rollouts (EDR, DRAFTERS2.md section 10),
     one value per rollout whose mean over rollouts drawn from the target is E[rounds] exactly.
 
@@ -151,7 +153,8 @@ def edr_rounds(draft_logp, target_logp, tokens, mask, rule="speculative"):
       speculative: s_{k-1} TV(p_{a+k}, q_{a,k}),  block: m_{k-1} - E_k (`bv_terms`),
     plus the forced end after g acceptances (the block cap). Replacing the posterior end probability by its
     expectation over the next token keeps E_rollouts[R] = E[rounds] (o_a and s_{k-1} depend on the rollout
-    before the token only), so R and its gradient (through o, s and c) are unbiased."""
+    before the token only), so R and its gradient (through o, s and c) are unbiased.
+    parts: also return the occupancy o [B, N] and the survivals s [B, N, g + 1] (s_0 = 1)."""
     b, n, g, _ = draft_logp.shape
     n_tok = jnp.sum(mask, axis=-1).astype(jnp.int32)  # [B]
     a = jnp.arange(n)[:, None]
@@ -187,7 +190,7 @@ def edr_rounds(draft_logp, target_logp, tokens, mask, rule="speculative"):
     _, o = jax.lax.scan(step, jnp.zeros((b, n + g + 2), s.dtype), jnp.arange(n))
     o = jnp.moveaxis(o, 0, 1)  # [B, N]
     rounds = (n_tok >= 2) + jnp.sum(o[..., None] * ends * reach, axis=(-2, -1))
-    return rounds
+    return (rounds, o, s) if parts else rounds
 
 
 def edr_loss(draft_logp, target_logp, tokens, mask, rule="speculative"):
@@ -236,10 +239,41 @@ def edr_window_loss(draft_logp, target_logp, labels, mask, rule="speculative"):
     return edr_loss(draft_logp, rows, tokens, live, rule)
 
 
+def dpace_loss(draft_logp, target_logp, labels, mask, gamma=None):
+    """D-PACE (Wu et al. 2026; published form not located, DRAFTERS2.md section 10): cross-entropy with
+    position weights from a differentiable tau surrogate. With alpha_k the acceptance of slot k (1 - TV
+    against the target's row; the published surrogate reads "the drafter's confidences") and
+    tau = sum_j prod_{i<=j} alpha_i the expected accepted drafts of a chain, slot k is weighted by
+    w_k = sg(d tau / d alpha_k) = sg((1 / alpha_k) sum_{j>=k} prod_{i<=j} alpha_i): the slots whose
+    improvement lengthens rounds most (early ones, and those behind confident prefixes) weigh most.
+    Normalised by the summed weights of the counted slots; gamma is not used."""
+    alive = jnp.cumprod(mask, axis=-1)
+    alpha = jax.lax.stop_gradient(acceptance(draft_logp, target_logp))
+    surv = jnp.cumprod(jnp.where(alive > 0, alpha, 0.0), axis=-1)  # prod_{i<=j} alpha_i
+    tail = jnp.flip(jnp.cumsum(jnp.flip(surv, -1), -1), -1)  # sum_{j>=k}
+    w = jax.lax.stop_gradient(tail / jnp.maximum(alpha, 1e-6)) * alive
+    nll = -jnp.take_along_axis(draft_logp, labels[..., None], axis=-1)[..., 0]
+    return jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
+def opd_loss(draft_logp, target_logp, labels, mask, rule="speculative"):
+    """Draft-OPD (Lei et al. 2026; published form not located, DRAFTERS2.md section 10): distillation
+    weighted where verification actually happens. On a rollout window with the drafter anchored at every
+    position (`window_rollout`), slot k of the block at a is verified with probability o_a s_{a,k-1}:
+    a round starts at a (the occupancy of `edr_rounds`) and its first k - 1 drafts are accepted. The loss
+    is KL(p || q) per slot under those weights (held constant), normalised by their sum: on-policy in the
+    anchors and depths the drafter's own rounds reach. The published method also replays the drafter's
+    proposals (drafts off the data path); this form keeps the data path."""
+    tokens, rows, live = window_rollout(target_logp, labels, mask)
+    _, o, s = edr_rounds(draft_logp, rows, tokens, live, rule, parts=True)
+    w = jax.lax.stop_gradient(o[..., None] * s[..., :-1]) * jnp.cumprod(mask, axis=-1)
+    return jnp.sum(w * forward_kl(draft_logp, target_logp)) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
 LOSSES = {
     "ce": ce_loss, "kl": kl_loss, "tv": tv_loss, "lk_hybrid": lk_hybrid_loss, "lk_likelihood": lk_likelihood_loss,
-    "e2e_tv": e2e_tv_loss, "bv": bv_loss, "edr": edr_window_loss,
+    "e2e_tv": e2e_tv_loss, "bv": bv_loss, "edr": edr_window_loss, "dpace": dpace_loss, "opd": opd_loss,
     "edr_block": lambda draft_logp, target_logp, labels, mask: edr_window_loss(draft_logp, target_logp, labels,
                                                                               mask, "block"),
 }
-WINDOW_LOSSES = ("edr", "edr_block")  # losses over every anchor of a rollout window, not sampled anchors
+WINDOW_LOSSES = ("edr", "edr_block", "opd")  # losses over every anchor of a rollout window, not sampled anchors
