@@ -307,3 +307,30 @@ def test_unsupported_targets_and_configs_are_refused(targets, tmp_path):
         jspec.load_drafter("mtp", jspec.load_target(path))
     with pytest.raises(ValueError, match="drafts chains"):
         jspec.load_drafter("mtp", targets["qwen3_5"], tree_budget=4)
+
+
+def test_training_scores_each_row_on_the_token_after_next(targets):
+    """`jspec train mtp`'s loss: row i of one teacher-forced pass reads (h_i, x_{i+1}) and its CE on x_{i+2},
+    over the response tokens, equals the float64 reference module's; gradients reach the module."""
+    from jspec.drafters import mtp
+    from jspec.train.drafter import DrafterLoss
+
+    target = targets["qwen3_5"]
+    dr, dparams = jspec.load_drafter("mtp", target)
+    ref = Reference(target)
+    t = 14
+    seq = np.random.RandomState(4).randint(3, target.cfg.vocab_size, (1, t)).astype(np.int32)
+    loss_mask = np.ones((1, t), np.float32)
+    loss_mask[:, :5] = 0
+    batch = {"tokens": jnp.asarray(seq), "loss_mask": jnp.asarray(loss_mask)}
+    fn = lambda p: mtp.train_loss(p, target.params, target.cfg, dr, DrafterLoss("ce"), batch, jax.random.key(0))
+    (loss, _), grads = jax.value_and_grad(fn, has_aux=True)(dparams)
+    hidden = np.asarray(tm.forward(target.params, target.cfg, jnp.asarray(seq), jnp.arange(t)[None],
+                                   tm.init_cache(target.cfg, 1, t))[0], np.float64)[0]
+    logits = ref.outputs(list(seq[0, 1:-1]), hidden[:-2]) @ ref.head.T
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -logp[np.arange(t - 2), seq[0, 2:]]
+    np.testing.assert_allclose(float(loss), nll[loss_mask[0, 2:] > 0].mean(), rtol=2e-4)
+    assert float(jnp.abs(grads["fc"]).max()) > 0
+    assert max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(grads["layer"])) > 0

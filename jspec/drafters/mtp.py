@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
-from jspec.drafters.family import Family, register_family
+from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config, write_checkpoint
 from jspec.io.files import read_json_object
@@ -323,6 +323,44 @@ def with_shape(drafter: MTP, block_size: int, tree_budget: int) -> MTP:
     return dataclasses.replace(drafter, block_size=block_size)
 
 
+# --- training (`jspec train mtp`): the module on a frozen target, next-next-token objective -----------------
+# Row i reads (h_i, x_{i+1}) and is scored on x_{i+2} against the target's distribution of it (the run's
+# loss: "ce" is the published objective, CE(q, x_{t+2})), with one teacher-forced pass over the whole
+# sequence, causal like the catch-up rows. Depth 1 only: the chained depths reuse the module on its own
+# outputs at inference, as vLLM runs the released modules, which were trained the same way.
+
+
+def _build(run: dict, target, key) -> tuple[MTP, dict]:
+    section = run["drafter"]
+    block = section.get("block_size", 4)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"the MTP drafter's block_size (drafts per round) must be an int >= 1, got {block!r}")
+    cfg = layer_config(target.cfg)
+    params = init_params(cfg, key, target.params["final_norm"].dtype, std=run.get("init_std", 0.02))
+    return MTP(cfg=cfg, target_layers=target.cfg.num_layers, block_size=block), params
+
+
+def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dict, key: jax.Array):
+    """The run's distribution loss of row i's q against the target's row for x_{i+2}, over response tokens."""
+    from jspec.train import drafter as train_drafter
+
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    b, t = tokens.shape
+    taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, drafter.taps)
+    hidden = target_final_norm(target_params, target_cfg, taps[0])
+    c = drafter.cfg
+    kv = jnp.zeros((b, c.num_kv_heads, t, c.head_dim), hidden.dtype)
+    pos = jnp.broadcast_to(jnp.arange(t - 2, dtype=jnp.int32), (b, t - 2))
+    out, _, _ = mtp_rows(params, c, target_params["embed"], tokens[:, 1:-1], hidden[:, :-2], pos, kv, kv,
+                         jnp.zeros((b,), jnp.int32))
+    draft_logp = jax.nn.log_softmax(tm.logits(target_params, target_cfg, out), axis=-1)[:, :, None]
+    labels = tokens[:, 2:, None]
+    mask = (loss_mask[:, 2:, None] > 0).astype(jnp.float32)
+    p_t = target_logp[:, 1:-1, None]  # the target's distribution of x_{i+2}: its output at i + 1
+    loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+    return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
+
+
 def _example(target) -> tuple[MTP, dict]:
     """A random MTP module for the target's shape (conformance fixtures are dense targets without one)."""
     cfg = layer_config(target.cfg)
@@ -331,6 +369,6 @@ def _example(target) -> tuple[MTP, dict]:
 
 
 register_family(Family(name="mtp", drafter=MTP, detect=_detect, load=load, save=save, lookup=from_target,
-                       with_shape=with_shape, example=_example,
+                       with_shape=with_shape, example=_example, recipe=TrainRecipe(build=_build, loss=train_loss),
                        summary="the target's own multi-token-prediction module (mtp.* tensors of a Qwen3.5 / "
                                "Qwen3-Next checkpoint)"))
