@@ -160,3 +160,44 @@ def test_folder_format_and_command_line(target, inners, tmp_path, capsys):
     assert out["tokens"] == plain
     assert cli_main(args + ["--loop-threshold", "-1.5"]) == 2
     assert "--loop-threshold gates DLoop stages" in capsys.readouterr().err
+
+
+def test_loop_aware_training_unrolls_the_inference_stages(target, inners):
+    """`jspec train dloop`: stage 2 of an anchor, unrolled in training on the text's token at a + g with the
+    provisional features of stage 1, equals the inference path (the context cache written from the
+    target's taps before a, then `write_features` of stage 1's slots, then the block at a + g); the loss
+    sums the first and last stages and trains the backbone."""
+    from jspec.drafters import dloop
+    from jspec.drafters.base import GREEDY
+    from jspec.train import drafter as train_drafter
+    from jspec.train.drafter import DrafterLoss
+
+    inner, params = inners["dflash"]
+    dr = DLoop(inner=inner, stages=2, threshold=-2.0)
+    g, t = inner.num_drafts, 24
+    tokens = jax.random.randint(jax.random.key(3), (1, t), 3, target.cfg.vocab_size)
+    taps, _ = train_drafter.target_pass(target.params, target.cfg, tokens, inner.taps)
+    anchors = jnp.array([[5, 11]], jnp.int32)
+    first, last = dloop.stage_logps(params, target.params, target.cfg, dr, tokens, taps, anchors)
+    for j, a in enumerate([5, 11]):
+        state = DFlashState.zeros(inner.cfg, 1, 40, jnp.float32)
+        state = write_context(params, inner.cfg, state, taps, jnp.zeros((1,), jnp.int32), jnp.arange(t)[None] < a)
+        text = jnp.zeros((1, 40), jnp.int32).at[:, :t].set(tokens)
+        ctx = DraftContext(text, jnp.array([a + 1]), jnp.zeros((1,), jnp.uint32), target.params,
+                           target_cfg=target.cfg, policy=GREEDY)
+        hidden = inner.block_hidden(params, state, ctx)
+        want1 = jax.nn.log_softmax(inner.logits(params, state, ctx), axis=-1)
+        state = dflash.write_features(params, inner.cfg, state, hidden[:, :g], jnp.array([a]), jnp.ones((1, g), bool))
+        ctx2 = dataclasses.replace(ctx, length=jnp.array([a + 1 + g]))
+        want2 = jax.nn.log_softmax(inner.logits(params, state, ctx2), axis=-1)
+        np.testing.assert_allclose(first[0, j], want1[0], atol=2e-5)
+        np.testing.assert_allclose(last[0, j], want2[0], atol=2e-5)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens).at[:, :4].set(0)}
+    fn = lambda p: dloop.train_loss(p, target.params, target.cfg, dr, DrafterLoss(num_anchors=4), batch,
+                                    jax.random.key(1))
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+    assert np.isfinite(loss) and "tau_last" in metrics and float(jnp.abs(grads["fc"]).max()) > 0
+    built, _ = jspec.drafters.get_family("dloop").recipe.build(
+        {"drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 100, "num_taps": 2, "stages": 3,
+                     "threshold": -1.0}, "init_std": 0.3}, target, jax.random.key(0))
+    assert built.stages == 3 and built.threshold == -1.0

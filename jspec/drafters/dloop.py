@@ -22,27 +22,34 @@ rows the round's commit rewrites from the target's own taps before any later blo
 Which hidden state stands in for a target feature is not published; the final-normed slot states are
 this module's choice (they have the feature's width and norm). Without loop-aware training, a drafter
 sees such features only here.
+
+Loop-aware training (`jspec train dloop`: a DFlash run config whose drafter section adds `stages` and
+`threshold`): every sampled anchor a drafts stage 1 as DFlash training does; stage s + 1 is then
+unrolled at anchor a + s g on the true token there (teacher forcing), its context the target's features
+before a plus the provisional features of the stages before it, exactly as at inference. The loss is
+the run's loss on the first stage plus the same loss on the last (published: "supervise the first and
+the last"); gradients flow through the provisional features into the earlier stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import jax
-import jax.numpy as jnp
-
 import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
+
 from jspec.drafters import dflash
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.dflash import DFlash, write_features
-from jspec.drafters.family import Family, detect_config, family_of, register_family
+from jspec.drafters.family import Family, TrainRecipe, detect_config, family_of, register_family
 from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
 from jspec.models.attention import write_block
 from jspec.models.config import ModelConfig
+from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
 
 
@@ -165,11 +172,72 @@ def with_shape(drafter: DLoop, block_size: int, tree_budget: int) -> DLoop:
     return dataclasses.replace(drafter, inner=family_of(drafter.inner).with_shape(drafter.inner, block_size, 0))
 
 
+# --- loop-aware training ----------------------------------------------------------------------------------
+
+
+def _build(run: dict, target, key) -> tuple[DLoop, dict]:
+    """A DFlash backbone from the run's drafter section, looped with its `stages` (default 2) and
+    `threshold` (default -2.0)."""
+    inner, params = dflash._build(run, target, key)
+    section = run["drafter"]
+    stages, threshold = section.get("stages", 2), section.get("threshold", -2.0)
+    return DLoop(inner=inner, stages=stages, threshold=threshold), params
+
+
+def stage_logps(params, target_params, target_cfg, drafter: DLoop, tokens, taps, anchors) -> list:
+    """Draft log-probs [B, A, g, V] of every stage unrolled from anchors [B, A] (stage s anchored at
+    a + s g on the text's token), each block with its own context: the target's features before a, then
+    the provisional features of its earlier stages (the slots' final-normed hidden states)."""
+    cfg = drafter.inner.cfg
+    g, (b, t), n = cfg.num_drafts, tokens.shape, anchors.shape[1]
+    embed = target_params["embed"]
+    ctx_k, ctx_v = dflash.context_kv(params, cfg, taps, jnp.broadcast_to(jnp.arange(t), (b, t)))
+    at = lambda pos: jnp.take_along_axis(tokens, jnp.minimum(pos, t - 1), axis=1)
+    hidden = dflash.draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchors, dflash.block_inputs(cfg, at(anchors)))
+    slots = lambda h: h if cfg.anchor_predicts else h[..., 1:, :]
+    out = [jax.nn.log_softmax(dflash.draft_logits(target_params, target_cfg, cfg, slots(hidden)), axis=-1)]
+    if drafter.stages == 1:
+        return out
+    flat = lambda x: jnp.repeat(x, n, axis=0)  # one context per block: [B * A, T, ...]
+    ctx_k, ctx_v = tuple(map(flat, ctx_k)), tuple(map(flat, ctx_v))
+    hidden = hidden.reshape(b * n, *hidden.shape[2:])
+    anchor = anchors.reshape(-1)
+    for _ in range(1, drafter.stages):
+        k_new, v_new = dflash.feature_kv(params, cfg, hidden[:, :g], anchor[:, None] + jnp.arange(g)[None])
+        ctx_k = tuple(write_block(c, new, anchor, axis=1) for c, new in zip(ctx_k, k_new))
+        ctx_v = tuple(write_block(c, new, anchor, axis=1) for c, new in zip(ctx_v, v_new))
+        anchor = anchor + g
+        inputs = dflash.block_inputs(cfg, at(anchor.reshape(b, n)).reshape(-1))
+        hidden = dflash.draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchor[:, None], inputs[:, None])[:, 0]
+        logits = dflash.draft_logits(target_params, target_cfg, cfg, slots(hidden))
+        out.append(jax.nn.log_softmax(logits, axis=-1).reshape(b, n, g, -1))
+    return out
+
+
+def train_loss(params, target_params, target_cfg, drafter: DLoop, spec, batch: dict, key: jax.Array):
+    """The run's loss on the first stage plus on the last, unrolled (module docstring)."""
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    cfg = drafter.inner.cfg
+    taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, cfg.target_layer_ids)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
+    logps = stage_logps(params, target_params, target_cfg, drafter, tokens, taps, anchors)
+    total, metrics = 0.0, {}
+    for s, draft_logp in sorted({0: logps[0], len(logps) - 1: logps[-1]}.items()):
+        stage_anchors = anchors + s * cfg.num_drafts
+        labels, mask, p_t = train_drafter.block_targets(cfg.num_drafts, tokens, loss_mask, target_logp,
+                                                        stage_anchors, valid & (stage_anchors < tokens.shape[1]))
+        total = total + train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+        name = "first" if s == 0 else "last"
+        metrics.update({f"{k}_{name}" if s else k: v for k, v in
+                        train_drafter.metrics(draft_logp, p_t, labels, mask).items()})
+    return total, metrics
+
+
 def _example(target) -> tuple[DLoop, dict]:
     inner, params = dflash._example(target)
     return DLoop(inner=inner, stages=2, threshold=-3.0), params
 
 
 register_family(Family(name="dloop", drafter=DLoop, detect=_detect, load=_load, save=_save, with_shape=with_shape,
-                       example=_example, wraps=True,
+                       example=_example, wraps=True, recipe=TrainRecipe(build=_build, loss=train_loss),
                        summary="DLoop: a DFlash / DFlash2 / DSpark folder with a dloop_config section"))
