@@ -251,8 +251,7 @@ def test_dflash2_config_errors(target, tmp_path):
         dflash2.config_from_hf(hf)
     with pytest.raises(CheckpointError, match="conv_group_size 48 must divide the hidden size 64"):
         dflash2.config_from_hf(hf2(target, dflash_config=dict(conv_group_size=48)))
-    with pytest.raises(ValueError, match="DFlash2 drafts chains"):
-        dflash2.with_shape(dflash2.DFlash2(dflash2=dflash2.config_from_hf(hf2(target))), BLOCK, 8)
+    assert dflash2.with_shape(dflash2.DFlash2(dflash2=dflash2.config_from_hf(hf2(target))), BLOCK, 8).kind == "tree"
     cfg = dflash2.config_from_hf(hf2(target))
     params = dflash2.init_params(cfg, jax.random.key(0))
     dflash2.save_checkpoint(str(tmp_path), cfg, params)
@@ -313,3 +312,52 @@ def test_speculative_text_equals_plain_decoding(target, drafter_dir, temperature
     plain = jspec.generate(target, prompts, **kw)
     spec = jspec.generate(target, prompts, drafter=drafter_dir, verifier=verifier, **kw)
     assert spec.stats["rounds"] > 0 and spec.tokens == plain.tokens
+
+
+def test_tree_is_the_best_paths_along_the_selector(target):
+    """With a tree budget the nodes are the `budget` best paths by summed selector log-probs (each slot's
+    candidates given the path's previous token), found by enumerating every path; parents come first."""
+    import itertools
+
+    drafter, params = dflash2._example(target)
+    k, g = drafter.dflash2.selector_top_k, drafter.num_drafts
+    tree = dflash2.with_shape(drafter, 0, 10)
+    b, context = 2, 9
+    taps = jax.random.normal(jax.random.key(7), (len(tree.taps), b, context, target.cfg.hidden_size))
+    state = DFlashState.zeros(tree.cfg, b, 40, jnp.float32)
+    state = write_context(params, tree.cfg, state, taps, jnp.zeros((b,), jnp.int32), jnp.ones((b, context), bool))
+    tokens = jnp.zeros((b, 40), jnp.int32).at[:, context].set(jnp.array([7, 30]))
+    ctx = DraftContext(tokens, jnp.full((b,), context + 1), jnp.arange(b, dtype=jnp.uint32), target.params,
+                       target_cfg=target.cfg, policy=GREEDY)
+    prop, _ = tree.propose(params, state, ctx)
+    anchor, hidden, logits, _ = tree.slot_states(params, state, ctx)
+    unary, ids, factors = dflash2.candidates(params, tree.dflash2, logits, hidden)
+    for row in range(b):
+        scored = {}
+        for d in range(1, g + 1):
+            for path in itertools.product(range(k), repeat=d):
+                prev, total, toks = int(anchor[row]), 0.0, []
+                for t, j in enumerate(path):
+                    s = dflash2.pair_scores(params, unary[row, t], ids[row, t], factors[row, t], jnp.int32(prev))
+                    total += float(jax.nn.log_softmax(s)[j])
+                    prev = int(ids[row, t, j])
+                    toks.append(prev)
+                scored[tuple(toks)] = total
+        best = sorted(scored.values(), reverse=True)[:10]
+        got, par = [], np.asarray(prop.parent[row])
+        for i in range(10):
+            path, n = [], i
+            while n >= 0:
+                path.insert(0, int(prop.tokens[row, n]))
+                assert par[n] < n
+                n = par[n]
+            got.append(scored[tuple(path)])
+        np.testing.assert_allclose(sorted(got, reverse=True), best, atol=1e-5)
+        assert np.array_equal(np.asarray(prop.depth[row]), [_depth_of(par, i) for i in range(10)])
+
+
+def _depth_of(parent, i):
+    n = 0
+    while i >= 0:
+        i, n = parent[i], n + 1
+    return n

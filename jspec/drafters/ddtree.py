@@ -55,3 +55,53 @@ def build_tree(logq: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.
             jnp.zeros((budget,), jnp.int32))
     *_, tokens, parents, depths = jax.lax.fori_loop(0, budget, pop, init)
     return tokens, parents, depths
+
+
+def build_conditional_tree(first: tuple[jax.Array, jax.Array], children, depth: int, budget: int):
+    """A best-first tree when a node's children depend on its token (a drafter whose slot d is drawn given
+    the token at slot d - 1, e.g. DFlash2's selector): the same search as `build_tree` over ranked
+    children lists computed per node.
+
+    first: (log q [k], token ids [k]) of depth 1, best first. children(d, token) -> (log q [k], ids [k]),
+    best first: the candidates at depth d + 1 below a node at depth d holding `token` (d = 1 .. depth - 1;
+    called with a clipped d at the last depth, its result unused). A node's score is the sum of log q
+    along its path; popping a node pushes its next sibling (same parent, rank + 1) and its first child.
+    Returns (tokens [N], parent [N] (-1 = anchor), depth [N] >= 1), parents before children.
+    """
+    lq0, ids0 = first
+    k = lq0.shape[0]
+    cap = 2 * budget + 1
+    lists_lq = jnp.zeros((budget + 1, k), jnp.float32).at[0].set(lq0.astype(jnp.float32))
+    lists_id = jnp.zeros((budget + 1, k), jnp.int32).at[0].set(ids0.astype(jnp.int32))  # row i + 1: node i's
+    score = jnp.full((cap,), -jnp.inf).at[0].set(lq0[0].astype(jnp.float32))
+    dep = jnp.zeros((cap,), jnp.int32).at[0].set(1)
+    rank = jnp.zeros((cap,), jnp.int32)
+    parent = jnp.full((cap,), -1, jnp.int32)
+
+    def pop(i, carry):
+        score, dep, rank, parent, lists_lq, lists_id, out_tok, out_par, out_dep = carry
+        j = jnp.argmax(score)
+        empty = jnp.isneginf(score[j])  # fewer paths than the budget: pad with a harmless leaf
+        d = jnp.where(empty, 1, dep[j])
+        r = jnp.where(empty, 0, rank[j])
+        par = jnp.where(empty, -1, parent[j])
+        sc = score[j]
+        row_lq, row_id = lists_lq[par + 1], lists_id[par + 1]
+        token = row_id[r]
+        out_tok, out_par, out_dep = out_tok.at[i].set(token), out_par.at[i].set(par), out_dep.at[i].set(d)
+        child_lq, child_id = children(jnp.minimum(d, depth - 1), token)
+        lists_lq = lists_lq.at[i + 1].set(child_lq.astype(jnp.float32))
+        lists_id = lists_id.at[i + 1].set(child_id.astype(jnp.int32))
+        score = score.at[j].set(-jnp.inf)
+        sib_ok = ~empty & (r + 1 < k)
+        score = score.at[2 * i + 1].set(jnp.where(sib_ok, sc - row_lq[r] + row_lq[jnp.minimum(r + 1, k - 1)], -jnp.inf))
+        dep, rank, parent = dep.at[2 * i + 1].set(d), rank.at[2 * i + 1].set(r + 1), parent.at[2 * i + 1].set(par)
+        child_ok = ~empty & (d < depth)
+        score = score.at[2 * i + 2].set(jnp.where(child_ok, sc + child_lq[0], -jnp.inf))
+        dep, rank, parent = dep.at[2 * i + 2].set(d + 1), rank.at[2 * i + 2].set(0), parent.at[2 * i + 2].set(i)
+        return score, dep, rank, parent, lists_lq, lists_id, out_tok, out_par, out_dep
+
+    zeros = jnp.zeros((budget,), jnp.int32)
+    init = (score, dep, rank, parent, lists_lq, lists_id, zeros, zeros, zeros)
+    *_, tokens, parents, depths = jax.lax.fori_loop(0, budget, pop, init)
+    return tokens, parents, depths

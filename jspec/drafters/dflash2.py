@@ -24,6 +24,11 @@ argmax_j (log q_t(j) + g[C_t(j)]) with the target's noise g of that position.
 
 With the official initialisation (identity base kernels, zero kernel projections, zero successor
 codebook) a DFlash2 drafter drafts exactly as its DFlash backbone.
+
+Trees (`tree_budget` > 0): best-first along the selector. The children of a node holding token x at
+depth t are slot t + 1's candidates ranked by log softmax(S_{t+1}) given predecessor x (temperature 1),
+a path's score the sum along it (`ddtree.build_conditional_tree`); children are fixed choices, verified
+as point masses. A DDTree over the backbone's logits alone would drop the selector.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters import dflash
+from jspec.drafters import ddtree, dflash
 from jspec.drafters.base import DraftContext, Proposal, draft_noise
 from jspec.drafters.dflash import DFlash, DFlashConfig, DFlashNet, DFlashState
 from jspec.drafters.family import Family, TrainRecipe, register_family
@@ -266,7 +271,28 @@ class DFlash2(DFlash):
         return self.slot_states(dparams, state, ctx)[2]
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
+        if self.tree_budget:
+            return self.tree(dparams, state, ctx), state
         return self.stage(dparams, state, ctx)[0], state
+
+    def tree(self, dparams, state: DFlashState, ctx: DraftContext) -> Proposal:
+        """A best-first tree whose paths follow the selector: the children of a node holding token x at
+        depth d are slot d's candidates ranked by the selector's log-probs (temperature 1) given
+        predecessor x (`ddtree.build_conditional_tree`); deterministic children."""
+        anchor, hidden, logits, _ = self.slot_states(dparams, state, ctx)
+        unary, ids, factors = candidates(dparams, self.dflash2, logits, hidden)
+        g = logits.shape[1]
+
+        def one(unary, ids, factors, anchor):
+            def ranked(t, prev):
+                lq = jax.nn.log_softmax(pair_scores(dparams, unary[t], ids[t], factors[t], prev))
+                order = jnp.argsort(-lq)
+                return lq[order], ids[t][order]
+
+            return ddtree.build_conditional_tree(ranked(0, anchor), ranked, g, self.tree_budget)
+
+        tokens, parent, depth = jax.vmap(one)(unary, ids, factors, anchor)
+        return Proposal(tokens, None, parent, depth)
 
     def stage(self, dparams, state: DFlashState, ctx: DraftContext):
         """(Proposal, the selector's log-probs at temperature 1 of the drafts [B, g], the block's states)."""
@@ -406,10 +432,8 @@ def _save(path: str, drafter: DFlash2, params: dict, dtype=None) -> None:
 
 
 def with_shape(drafter: DFlash2, block_size: int, tree_budget: int) -> DFlash2:
-    if tree_budget:
-        raise ValueError("DFlash2 drafts chains: its selector picks each slot given the previous one, which a "
-                         "DDTree over the backbone's logits would drop; leave the tree budget at 0")
-    return drafter
+    """The block size is the checkpoint's; a tree budget builds best-first trees along the selector."""
+    return dataclasses.replace(drafter, tree_budget=tree_budget)
 
 
 EXAMPLE_RUN = {"drafter": {**dflash.EXAMPLE_RUN["drafter"], "conv_group_size": 16, "selector_rank": 8,
