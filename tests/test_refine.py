@@ -15,8 +15,7 @@ import pytest
 
 import jspec
 from jspec.drafters import dflash, refine
-from jspec.drafters.base import SAMPLE, DraftContext, draft_noise
-from jspec.drafters.dflash import DFlashState, write_context
+from jspec.drafters.base import draft_noise
 from jspec.drafters.refine import DEdit, PrefixLoop
 from jspec.io.hf import CheckpointError
 from jspec.train.drafter import DrafterLoss
@@ -24,6 +23,7 @@ from jspec.verify import exact, rules
 from jspec.verify.chain import block_chain_from_coins, speculative_chain_from_coins
 from jspec.verify.sampling import SamplingParams
 from test_dflash_config import target  # noqa: F401 (the shared fixture)
+from test_dloop import _state
 
 COIN_RULES = {"speculative": speculative_chain_from_coins, "block": block_chain_from_coins}
 TOL = 1e-6
@@ -129,17 +129,6 @@ def backbone(target):
     return dflash._build(run, target, jax.random.key(0))
 
 
-def _state(target, inner, params, batch=2, context=9):
-    cfg = inner.cfg
-    taps = jax.random.normal(jax.random.key(7), (2, batch, context, target.cfg.hidden_size))
-    state = DFlashState.zeros(cfg, batch, 40, jnp.float32)
-    state = write_context(params, cfg, state, taps, jnp.zeros((batch,), jnp.int32), jnp.ones((batch, context), bool))
-    tokens = jnp.zeros((batch, 40), jnp.int32).at[:, context].set(7)
-    ctx = DraftContext(tokens, jnp.full((batch,), context + 1), jnp.arange(batch, dtype=jnp.uint32), target.params,
-                       target_cfg=target.cfg, policy=SAMPLE, sampling=SamplingParams(1.0))
-    return state, ctx
-
-
 def _served_rows(cfg, params, state, ctx, drafts, revealed):
     """A pass's served log-probs computed directly: the DFlash block over [anchor, y_1 .. y_j, mask ..]."""
     anchor = ctx.tokens[:, 9]
@@ -153,7 +142,7 @@ def _served_rows(cfg, params, state, ctx, drafts, revealed):
 def test_prefix_loop_rows_are_the_passes_that_drew_each_draft(target, backbone):
     inner, params = backbone
     dr = PrefixLoop(inner=inner, boundaries=(1, 3))
-    state, ctx = _state(target, inner, params)
+    state, ctx = _state(target, inner, params, batch=2)
     prop, _ = dr.propose(params, state, ctx)
     y, q = prop.tokens, prop.q_logp
     np.testing.assert_allclose(q[:, :1], _served_rows(inner.cfg, params, state, ctx, y, 0)[:, :1], atol=1e-5)
@@ -166,7 +155,7 @@ def test_prefix_loop_rows_are_the_passes_that_drew_each_draft(target, backbone):
 
 def test_dedit_rows_are_the_last_pass_given_the_previous_drafts(target, backbone):
     inner, params = backbone
-    state, ctx = _state(target, inner, params)
+    state, ctx = _state(target, inner, params, batch=2)
     one, _ = DEdit(inner=inner, edit_passes=1).propose(params, state, ctx)
     two, _ = DEdit(inner=inner, edit_passes=2).propose(params, state, ctx)
     first, _ = inner.propose(params, state, ctx)

@@ -178,6 +178,33 @@ class Drafter(abc.ABC):
         return token, logp
 
 
+@dataclasses.dataclass(frozen=True)
+class Wrapper(Drafter):
+    """A drafter that runs another drafter's network its own way (DLoop's stages, D-Loop's and DEdit's
+    extra passes): the taps, parameters, checks, state and commit are the inner drafter's."""
+
+    inner: Drafter | None = None
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.inner.taps
+
+    def with_kernels(self, kernels: str) -> "Wrapper":
+        return dataclasses.replace(self, inner=self.inner.with_kernels(kernels))
+
+    def validate(self, target_cfg: ModelConfig, dparams: Any) -> None:
+        self.inner.validate(target_cfg, dparams)
+
+    def param_axes(self) -> Any:
+        return self.inner.param_axes()
+
+    def init(self, dparams: Any, prefill: PrefillInfo, cache_size: int) -> Any:
+        return self.inner.init(dparams, prefill, cache_size)
+
+    def commit(self, dparams: Any, state: Any, info: CommitInfo) -> Any:
+        return self.inner.commit(dparams, state, info)
+
+
 def draft_noise(seeds: jax.Array, index: jax.Array, round_start: jax.Array, vocab: int, stream: int = 0) -> jax.Array:
     """A sampling drafter's own Gumbel noise [..., V] at absolute indices, fresh in every round.
 

@@ -42,20 +42,19 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import dflash
-from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.base import DraftContext, Proposal, Wrapper
 from jspec.drafters.dflash import DFlash, write_features
 from jspec.drafters.family import Family, TrainRecipe, detect_config, family_of, register_family
 from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
 from jspec.models.attention import write_block
-from jspec.models.config import ModelConfig
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
 
 
 @dataclasses.dataclass(frozen=True)
-class DLoop(Drafter):
-    inner: DFlash | None = None  # a chain block drafter with `stage` (DFlash, DFlash2, DSpark)
+class DLoop(Wrapper):
+    # inner: a chain block drafter with `stage` (DFlash, DFlash2, DSpark)
     stages: int = 2  # S: at most this many stages per round
     threshold: float = -2.0  # another stage while the last stage's summed drafter log-prob exceeds this
 
@@ -77,29 +76,6 @@ class DLoop(Drafter):
     @property
     def num_drafts(self) -> int:
         return self.stages * self.stage_drafts
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        return self.inner.taps
-
-    @property
-    def reports_confidence(self) -> bool:
-        return False
-
-    def with_kernels(self, kernels: str) -> "DLoop":
-        return dataclasses.replace(self, inner=self.inner.with_kernels(kernels))
-
-    def validate(self, target_cfg: ModelConfig, dparams) -> None:
-        self.inner.validate(target_cfg, dparams)
-
-    def param_axes(self):
-        return self.inner.param_axes()
-
-    def init(self, dparams, prefill: PrefillInfo, cache_size: int):
-        return self.inner.init(dparams, prefill, cache_size)
-
-    def commit(self, dparams, state, info: CommitInfo):
-        return self.inner.commit(dparams, state, info)
 
     def propose(self, dparams, state, ctx: DraftContext):
         g, b = self.stage_drafts, ctx.length.shape[0]

@@ -380,7 +380,7 @@ class Eagle3(Drafter):
         pending = jnp.zeros((b, self.max_depth + 1, c.hidden_size), g.dtype).at[:, :1].set(last)
         return Eagle3State(k, v, pending, prefill.prompt_len - 1)
 
-    def _catch_up(self, dparams, state: Eagle3State, ctx: DraftContext):
+    def catch_up(self, dparams, state: Eagle3State, ctx: DraftContext):
         """Feed the committed rows fed .. length - 2: (a at row length - 2 [B, H], k, v, new fed)."""
         width = state.pending.shape[1]
         start = state.fed
@@ -393,7 +393,7 @@ class Eagle3(Drafter):
         return last, k, v, start + new
 
     def propose(self, dparams, state: Eagle3State, ctx: DraftContext):
-        last, k, v, fed = self._catch_up(dparams, state, ctx)
+        last, k, v, fed = self.catch_up(dparams, state, ctx)
         if self.tree_budget:
             tokens, parent, depth = self._tree(dparams, k, v, last, ctx)
             return Proposal(tokens, None, parent, depth), Eagle3State(k, v, state.pending, fed)
@@ -592,7 +592,7 @@ def config_to_hf(cfg: Eagle3Config, num_target_layers: int | None = None) -> dic
     return hf
 
 
-def _renamed(found: dict, where: str) -> dict:
+def renamed_tensors(found: dict, where: str) -> dict:
     """vLLM's `layers.0.*` read as `midlayer.*`; a folder holding both namings is refused."""
     ours = sorted(n for n in found if n.startswith(MIDLAYER))
     theirs = sorted(n for n in found if n.startswith(VLLM_MIDLAYER))
@@ -606,7 +606,7 @@ def load_checkpoint(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[Eagl
     """(config, parameters) of an EAGLE-3 checkpoint folder; strict about every tensor and both maps."""
     where = f"EAGLE-3 checkpoint {path!r}"
     hf = read_config(path)
-    found = _renamed(read_safetensors(path), where)
+    found = renamed_tensors(read_safetensors(path), where)
     cfg = config_from_hf(hf, target_cfg, own_embedding="embed_tokens.weight" in found,
                          where=os.path.join(path, "config.json"))
     expected = declared_tensors(declarations(cfg))
@@ -666,7 +666,7 @@ def with_shape(drafter: Eagle3, block_size: int, tree_budget: int) -> Eagle3:
 TTT_STEPS, TTT_DECAY = 7, 0.8
 
 
-def _shift(x: jax.Array, n: int) -> jax.Array:
+def shift_rows(x: jax.Array, n: int) -> jax.Array:
     """x [B, T, ...] moved n rows earlier along T (row t holds x[t + n]), zeros past the end."""
     pad = jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
     return jnp.concatenate([x[:, n:], pad], axis=1)[:, : x.shape[1]]
@@ -700,7 +700,7 @@ def ttt_logq(params: dict, cfg: Eagle3Config, embed, taps: jax.Array, tokens: ja
     diagonal, out = [], []
     for i in range(steps):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + i, (b, t))
-        q, k, v = project(params, cfg, quant.embed_rows(embed, _shift(tokens, 1 + i)), hidden, positions)
+        q, k, v = project(params, cfg, quant.embed_rows(embed, shift_rows(tokens, 1 + i)), hidden, positions)
         if i == 0:
             k0, v0 = k, v
         else:
@@ -724,10 +724,10 @@ def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: 
     in_draft = jnp.zeros((target_cfg.vocab_size,), bool).at[ids].set(True)
     total, metrics = 0.0, {}
     for i in range(logq.shape[0]):
-        p_logp = _shift(target_logp, 1 + i)  # row t: the target's distribution of x_{t+2+i}
+        p_logp = shift_rows(target_logp, 1 + i)  # row t: the target's distribution of x_{t+2+i}
         p = jax.nn.softmax(p_logp[..., ids], axis=-1)
         best = jnp.argmax(p_logp, axis=-1)
-        mask = (_shift(loss_mask, 2 + i) > 0) & in_draft[best]  # zeros past the end: nothing left to draft
+        mask = (shift_rows(loss_mask, 2 + i) > 0) & in_draft[best]  # zeros past the end: nothing left to draft
         n = jnp.maximum(jnp.sum(mask), 1)
         ce = -jnp.sum(p * logq[i], axis=-1)
         total = total + TTT_DECAY**i * jnp.sum(jnp.where(mask, ce, 0.0)) / n
@@ -737,7 +737,7 @@ def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: 
     return total, metrics
 
 
-def _build(run: dict, target, key) -> tuple[Eagle3, dict]:
+def build_drafter(run: dict, target, key) -> tuple[Eagle3, dict]:
     """An EAGLE-3 drafter from a run config's drafter section: intermediate_size (default the target's),
     target_layer_ids (default [1, N/2 - 1, N - 4]) and block_size (drafts per round, default 4). It embeds with
     the target's embedding, so its width is the target's, and drafts over the whole target vocabulary (a
@@ -786,5 +786,5 @@ def _example(target) -> tuple[Eagle3, dict]:
 
 
 register_family(Family(name="eagle3", drafter=Eagle3, detect=_detect, load=_load, save=_save, with_shape=with_shape,
-                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("d2t",)), example=_example,
+                       recipe=TrainRecipe(build=build_drafter, loss=train_loss, frozen=("d2t",)), example=_example,
                        summary="EAGLE-3 (SpecForge / vLLM): config.json with architectures [LlamaForCausalLMEagle3]"))

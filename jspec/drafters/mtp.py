@@ -56,7 +56,7 @@ from jspec.io.hf_hybrid import load_mtp_params, mtp_tensors
 from jspec.models import hybrid, quant
 from jspec.models import target as tm
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, unbox
-from jspec.models.layers import linear, rms_norm, zc_rms_norm
+from jspec.models.layers import linear, zc_rms_norm
 
 # The draft-model architectures of vLLM's MTP models, by the family of the target they serve: the
 # `architectures` of a saved MTP drafter's config.json (what `detect` recognises).
@@ -136,12 +136,6 @@ def mtp_rows(params: dict, cfg: hybrid.HybridConfig, embed, tokens, hidden, posi
     return MTPNet(cfg).apply({"params": params}, quant.embed_rows(embed, tokens), hidden, k, v, ps)
 
 
-def target_final_norm(target_params: dict, target_cfg, x: jax.Array) -> jax.Array:
-    """The target's final norm (what its forward applies after the last layer) of last-layer outputs x."""
-    norm = zc_rms_norm if tm.is_hybrid(target_cfg) else rms_norm
-    return norm(x, target_params["final_norm"], target_cfg.rms_norm_eps)
-
-
 def _architecture(cfg: hybrid.HybridConfig) -> hybrid.HybridConfig:
     """cfg without its token ids and context length (which do not change the module's computation)."""
     return dataclasses.replace(cfg, eos_token_ids=(), bos_token_id=None, pad_token_id=None, max_position_embeddings=0)
@@ -198,7 +192,7 @@ class MTP(Drafter):
         dtype = dparams["fc"].dtype
         kv = jnp.zeros((b, c.num_kv_heads, cache_size, c.head_dim), dtype)
         k, v = kv, kv
-        hidden = target_final_norm(prefill.target_params, prefill.target_cfg, prefill.taps[0])  # [B, P, D]
+        hidden = tm.final_norm(prefill.target_params, prefill.target_cfg, prefill.taps[0])  # [B, P, D]
         if p > 1:  # rows 0 .. P-2: (h_i, x_{i+1}); a shorter prompt's rows past its own are overwritten later
             pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
             _, k, v = mtp_rows(dparams, c, prefill.target_params["embed"], prefill.prompts[:, 1:],
@@ -347,7 +341,7 @@ def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dic
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     b, t = tokens.shape
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, drafter.taps)
-    hidden = target_final_norm(target_params, target_cfg, taps[0])
+    hidden = tm.final_norm(target_params, target_cfg, taps[0])
     c = drafter.cfg
     kv = jnp.zeros((b, c.num_kv_heads, t, c.head_dim), hidden.dtype)
     pos = jnp.broadcast_to(jnp.arange(t - 2, dtype=jnp.int32), (b, t - 2))

@@ -44,21 +44,18 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import dflash
-from jspec.drafters.base import DraftContext, Drafter, PrefillInfo, Proposal
+from jspec.drafters.base import DraftContext, Proposal, Wrapper
 from jspec.drafters.dflash import DFlash, draft_block, draft_blocks, draft_logits, draft_slots
 from jspec.drafters.family import Family, TrainRecipe, detect_config, family_of, register_family
 from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
-from jspec.models.config import ModelConfig
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refiner(Drafter):
+class _Refiner(Wrapper):
     """A DFlash backbone drafted in several passes; subclasses say which slots each pass reveals."""
-
-    inner: DFlash | None = None
 
     def __post_init__(self):
         name = type(self).__name__
@@ -71,25 +68,6 @@ class _Refiner(Drafter):
     @property
     def num_drafts(self) -> int:
         return self.inner.num_drafts
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        return self.inner.taps
-
-    def with_kernels(self, kernels: str):
-        return dataclasses.replace(self, inner=self.inner.with_kernels(kernels))
-
-    def validate(self, target_cfg: ModelConfig, dparams) -> None:
-        self.inner.validate(target_cfg, dparams)
-
-    def param_axes(self):
-        return self.inner.param_axes()
-
-    def init(self, dparams, prefill: PrefillInfo, cache_size: int):
-        return self.inner.init(dparams, prefill, cache_size)
-
-    def commit(self, dparams, state, info):
-        return self.inner.commit(dparams, state, info)
 
     def pass_logits(self, dparams, state, ctx: DraftContext, drafts, revealed: int) -> jax.Array:
         """Per-slot logits [B, g, V] of one pass whose block shows drafts [B, g] in slots 1 .. revealed."""

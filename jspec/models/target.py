@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jspec.models import hybrid, transformer
 from jspec.models.attention import KV_CHUNK, read_rows, write_rows
+from jspec.models.layers import rms_norm, zc_rms_norm
 
 
 def is_hybrid(cfg) -> bool:
@@ -61,6 +62,11 @@ def is_hybrid_cache(cache) -> bool:
 
 def logits(params, cfg, hidden):
     return (hybrid.logits if is_hybrid(cfg) else transformer.logits)(params, cfg, hidden)
+
+
+def final_norm(params, cfg, x):
+    """The target's final norm (what its forward applies after the last layer) of last-layer outputs x."""
+    return (zc_rms_norm if is_hybrid(cfg) else rms_norm)(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def commit_states(cfg, cache, states, index, live):
