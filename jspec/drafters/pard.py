@@ -1,0 +1,132 @@
+"""PARD: a small causal LM that drafts k tokens in one pass by appending k - 1 placeholder tokens.
+
+PARD (An et al. 2025, "PARD: Accelerating LLM Inference with Low-Cost PARallel Draft Model Adaptation";
+code AMD-AGI/PARD, `pard/pard_infer.py`) keeps the small-LM drafter of jspec.drafters.lm (no target
+features, the target's tokenizer) but replaces its k sequential draft steps by one pass. With committed
+text x_1 .. x_L (x_L the anchor, the pending token) and a placeholder id m (config.json's top-level
+`pard_token`, the attribute vLLM reads as the parallel-drafting token), the pass runs
+
+    [x_1 .. x_L, m, m, ..., m]      (k - 1 copies of m)
+
+and its last k rows give k independent distributions: row L (the anchor's) predicts draft 1, the row of
+placeholder j predicts draft j + 1. So q_i = softmax(logits of row L - 1 + i) depends on the committed
+text only, never on drafts 1 .. i - 1 (independent per-slot q, as P-EAGLE and DFlash). Draft i is chosen
+by `Drafter.choose` at absolute index L + i - 1 (its place in the text), so greedy drafts are the argmax
+(the official setting), Gumbel-coupled drafts read the target's noise at that index, and sampled drafts
+their own keyed noise.
+
+The cache holds committed text only. The placeholders' K/V rows are written by the pass at rows L ..
+L + k - 2, at or beyond the committed length; a later pass attends to cache rows below its first
+position only (`ctx_len`), and every round's pass begins at the first committed token the cache does
+not hold yet, overwriting those rows with committed tokens. Since the rows beyond an accepted prefix
+held placeholders, not the accepted drafts, each round re-feeds every committed token since the last
+round (the old anchor and the accepted drafts: at most k + 1) in the same pass, ahead of the new anchor's
+placeholders; the pass is 2k rows wide, its positions consecutive.
+
+Dense models only: a recurrent (Gated DeltaNet) drafter's state after the placeholders would be a
+state of text that is not committed. The official PARD drafters are dense Llama / Qwen models.
+
+Checkpoints: an HF causal-LM folder whose config.json carries an integer `pard_token` inside the
+vocabulary; a plain causal LM (no `pard_token`) stays the "lm" family. Training (PARD's conditional
+drop-token objective) is not provided here; convert a trained PARD checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from jspec.drafters import lm
+from jspec.drafters.base import DraftContext, Proposal
+from jspec.drafters.family import Family, register_family
+from jspec.io.drafters import read_config
+from jspec.io.models import is_causal_lm
+from jspec.models import target as tm
+
+PARD_KEY = "pard_token"  # config.json, top level (AMD-AGI/PARD checkpoints; vLLM's `hf_config.pard_token`)
+
+
+def detect(hf: dict) -> bool:
+    """A supported causal LM whose config.json names its placeholder token (an int, not a bool)."""
+    token = hf.get(PARD_KEY)
+    return isinstance(token, int) and not isinstance(token, bool) and is_causal_lm(hf)
+
+
+@dataclasses.dataclass(frozen=True)
+class PARD(lm.SmallLM):
+    pard_token: int = -1  # the placeholder id m
+
+    def validate(self, target_cfg, dparams) -> None:
+        super().validate(target_cfg, dparams)
+        if tm.is_hybrid(self.cfg):
+            raise ValueError("PARD drafts with a dense causal LM: a recurrent drafter's state after the "
+                             "placeholders is not a committed state; use the 'lm' family for a hybrid drafter")
+        if not 0 <= self.pard_token < self.cfg.vocab_size:
+            raise ValueError(f"PARD placeholder token {self.pard_token} lies outside the drafter's vocabulary "
+                             f"(0 .. {self.cfg.vocab_size - 1}): set `{PARD_KEY}` in config.json to its id")
+
+    def propose(self, dparams, state: lm.SmallLMState, ctx: DraftContext):
+        length, k = ctx.length, self.block_size
+        # The pass: committed tokens start .. length - 1 (n of them, the anchor last), then k - 1
+        # placeholders, then padding; every slot j sits at position start + j.
+        start = jnp.maximum(jnp.minimum(state.fed, length - 1), length - (k + 1))
+        start = jnp.maximum(start, 0)
+        n = length - start  # 1 .. k + 1 for a live row
+        width = 2 * k
+        j = jnp.arange(width)[None]
+        pos = start[:, None] + j
+        committed = jnp.take_along_axis(ctx.tokens, jnp.clip(pos, 0, ctx.tokens.shape[1] - 1), axis=1)
+        toks = jnp.where(j < n[:, None], committed, jnp.int32(self.pard_token))
+        hidden, cache, _, _ = tm.forward(dparams, self.cfg, toks, pos, state.cache)
+        rows = jnp.clip(n[:, None] - 1 + jnp.arange(k)[None], 0, width - 1)  # the anchor's row, then m's
+        h = jnp.take_along_axis(hidden, rows[:, :, None], axis=1)
+        index = length[:, None] + jnp.arange(k)[None]
+        drafts, logp = self.choose(ctx, tm.logits(dparams, self.cfg, h), index)
+        q = logp if ctx.needs_q else None
+        # Rows >= length (placeholders, padding) are never read: the next pass starts at `length`.
+        return Proposal(drafts, q), lm.SmallLMState(cache, length)
+
+
+def load(path: str, target, dtype) -> tuple[PARD, dict]:
+    """A PARD checkpoint: the causal LM as `lm.load` reads it (the tokenizer check included) and its
+    placeholder id."""
+    hf = read_config(path)
+    if not detect(hf):
+        raise ValueError(f"{path!r} is no PARD checkpoint: its config.json needs an integer `{PARD_KEY}` "
+                         "(the placeholder id) on a supported causal LM")
+    small, params = lm.load(path, target, dtype)
+    token = hf[PARD_KEY]
+    if not 0 <= token < small.cfg.vocab_size:
+        raise ValueError(f"{path!r}: `{PARD_KEY}` {token} lies outside the model's vocabulary "
+                         f"(0 .. {small.cfg.vocab_size - 1}): fix the id in config.json")
+    return PARD(cfg=small.cfg, pard_token=token), params
+
+
+def save(path: str, drafter: PARD, params: dict, dtype=None) -> None:
+    """The causal-LM folder of `lm.save` with `pard_token` added to config.json."""
+    lm.save(path, drafter, params, dtype)
+    cfg_path = os.path.join(path, "config.json")
+    hf = read_config(path)
+    hf[PARD_KEY] = int(drafter.pard_token)
+    with open(cfg_path, "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def with_shape(drafter: PARD, block_size: int, tree_budget: int) -> PARD:
+    if tree_budget:
+        raise ValueError("the PARD drafter drafts chains: drop the tree budget for it")
+    return dataclasses.replace(drafter, block_size=block_size)
+
+
+def example(target) -> tuple[PARD, Any]:
+    """The target as its own PARD drafter (untrained for placeholders), the last vocabulary id as m."""
+    return PARD(cfg=target.cfg, block_size=3, pard_token=target.cfg.vocab_size - 1), target.params
+
+
+register_family(Family(name="pard", drafter=PARD, detect=detect, load=load, save=save, with_shape=with_shape,
+                       example=example,
+                       summary="a small causal LM drafting k tokens in one pass over k - 1 `pard_token` placeholders"))
