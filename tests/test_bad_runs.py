@@ -146,8 +146,12 @@ def test_drafter_section_keys_are_the_recipes(target, tmp_path):
         with pytest.raises(ConfigError, match=hint):
             distill.build_drafter("dflash", _drafter_config(**extra), target, path)
     # The loss settings the run itself reads.
-    with pytest.raises(ConfigError, match=r"drafter.loss 'kl_div' is no drafter loss: use one of ce, "):
+    with pytest.raises(ConfigError, match=r"drafter.loss 'kl_div' is no loss of this drafter: use one of ce, "):
         distill.build_drafter("dflash", _drafter_config(loss="kl_div"), target, path)
+    # A family's own objective is its default and one more name it accepts; another family's is refused.
+    assert distill.drafter_loss({}, own="dspark").name == "dspark"
+    with pytest.raises(ConfigError, match=r"drafter.loss 'ttt' is no loss of this drafter: use one of dspark, ce, "):
+        distill.build_drafter("dspark", _drafter_config(loss="ttt"), target, path)
     with pytest.raises(ConfigError, match=r"drafter.num_anchors must be an integer >= 1, got 0"):
         distill.build_drafter("dflash", _drafter_config(num_anchors=0), target, path)
     # The DSpark recipe reads its own keys too.

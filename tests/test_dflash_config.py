@@ -8,6 +8,7 @@ written here with the official field names, then compared with the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -302,3 +303,36 @@ def test_the_rollout_losses_train_a_block_drafter(target, loss):
     (value, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
     assert 1 / 4 <= float(value) <= 1  # rounds per committed token: at least one round per block of 4
     assert float(jnp.abs(grads["fc"]).max()) > 0
+
+
+def test_a_dspark_run_selects_any_loss(target):
+    """DSpark's own objective ("dspark": 0.1 CE + 0.9 L1 + the confidence BCE) is the CE and TV run losses
+    combined, 0.1 L_ce + 1.8 L_tv, without a confidence head (same anchors, weights and blocks); with one,
+    every run loss adds its BCE and trains the head."""
+    from jspec.drafters import dspark
+    from jspec.train import losses
+    from jspec.train.distill import drafter_loss
+
+    run = {"drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 100, "num_taps": 2, "markov_rank": 8},
+           "init_std": 0.3}
+    drafter, params = dspark._build(run, target, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 3, target.cfg.vocab_size)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens).at[:, :4].set(0)}
+
+    def value(dr, name, p=params):
+        spec = drafter_loss({"loss": name, "num_anchors": 8}, own=dspark.OWN_LOSS)
+        return dspark.train_loss(p, target.params, target.cfg, dr, spec, batch, jax.random.key(2))[0]
+
+    headless = dataclasses.replace(drafter, spark=dataclasses.replace(drafter.spark, confidence_head=False))
+    own, ce, tv = (float(value(headless, n)) for n in ("dspark", "ce", "tv"))
+    np.testing.assert_allclose(own, 0.1 * ce + 1.8 * tv, rtol=1e-5)
+    assert drafter.spark.confidence_head  # the BCE term: what the head adds to any run loss
+    own_h, ce_h, tv_h = (float(value(drafter, n)) for n in ("dspark", "ce", "tv"))
+    bce = ce_h - ce
+    assert bce > 0
+    np.testing.assert_allclose(tv_h - tv, bce, rtol=1e-4)
+    np.testing.assert_allclose(own_h, 0.1 * ce + 1.8 * tv + bce, rtol=1e-5)
+    for name in losses.LOSSES:
+        fn = lambda p, n=name: value(drafter, n, p)
+        v, grads = jax.jit(jax.value_and_grad(fn))(params)
+        assert np.isfinite(float(v)) and float(jnp.abs(grads["fc"]).max()) > 0, name

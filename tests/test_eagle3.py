@@ -20,6 +20,7 @@ from jspec.drafters import family
 from jspec.drafters.base import CommitInfo, DraftContext, PrefillInfo
 from jspec.drafters.eagle3 import Eagle3, Eagle3Config, layer_config
 from jspec.errors import CheckpointError
+from jspec.train.drafter import DrafterLoss
 from jspec.models import target as tm
 from jspec.models import transformer
 from jspec.models.config import ModelConfig
@@ -404,7 +405,7 @@ def test_the_recipe_builds_and_its_loss_trains(target):
     trainable = {k: v for k, v in params.items() if k != "d2t"}
 
     def loss(p):
-        return fam.recipe.loss({**p, "d2t": params["d2t"]}, target.params, target.cfg, dr, None, batch,
+        return fam.recipe.loss({**p, "d2t": params["d2t"]}, target.params, target.cfg, dr, DrafterLoss("ttt"), batch,
                                jax.random.key(0))
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -416,3 +417,55 @@ def test_the_recipe_builds_and_its_loss_trains(target):
         trainable = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, trainable, grads)
         (last, _), grads = step(trainable)
     assert float(last) < float(first)
+
+
+def test_every_run_loss_scores_the_unrolled_steps_as_blocks(target, official):
+    """A run loss other than "ttt" reads step i at row a - 1 as slot i of the round anchored at a, over the draft
+    vocabulary: its CE equals a loop over the anchors written here (labels x_{a+1+i} mapped through d2t, the
+    target's row restricted to the draft vocabulary, a block ending at its first token outside it); every loss
+    of jspec.train.losses gives a finite value and gradient."""
+    from jspec.drafters.eagle3 import TTT_STEPS, ttt_logq
+    from jspec.train import drafter as train_drafter
+    from jspec.train import losses
+
+    path, w = official
+    dr, dparams = jspec.load_drafter(path, target)
+    fam = family.get_family("eagle3")
+    tokens = jnp.asarray(_text(seed=5, batch=2, s=24))
+    loss_mask = jnp.ones_like(tokens).at[:, :6].set(0)
+    batch, key = {"tokens": tokens, "loss_mask": loss_mask}, jax.random.key(3)
+    spec = DrafterLoss("ce", num_anchors=6, gamma=2.0)
+    got, metrics = fam.recipe.loss(dparams, target.params, target.cfg, dr, spec, batch, key)
+
+    taps, target_logp = train_drafter.target_pass(target.params, target.cfg, tokens, dr.taps)
+    embed = dparams["embed"] if dr.cfg.own_embedding else target.params["embed"]
+    logq = np.asarray(ttt_logq(dparams, dr.cfg, embed, taps, tokens), np.float64)
+    target_logp = np.asarray(target_logp, np.float64)
+    anchors, valid = (np.asarray(x) for x in train_drafter.sample_anchors(key, loss_mask, spec.num_anchors))
+    ids = list(np.arange(DRAFT_V) + w["d2t"])
+    seq, lm = np.asarray(tokens), np.asarray(loss_mask)
+    num = den = 0.0
+    for b in range(2):
+        for j in range(spec.num_anchors):
+            a = int(anchors[b, j])
+            if not valid[b, j] or a < 1:
+                continue
+            for i in range(TTT_STEPS):
+                pos = a + 1 + i
+                if pos >= seq.shape[1] or not lm[b, pos] or seq[b, pos] not in ids:
+                    break  # the block ends here
+                weight = np.exp(-i / spec.gamma)
+                num += weight * -logq[i, b, a - 1, ids.index(seq[b, pos])]
+                den += weight
+    assert den > 0
+    np.testing.assert_allclose(float(got), num / den, rtol=1e-4)
+    assert {"acc", "alpha", "tau"} <= set(metrics)
+
+    trainable = {k: v for k, v in dparams.items() if k != "d2t"}
+    for name in losses.LOSSES:
+        grad_fn = jax.jit(jax.value_and_grad(lambda p, s=DrafterLoss(name, num_anchors=6): fam.recipe.loss(
+            {**p, "d2t": dparams["d2t"]}, target.params, target.cfg, dr, s, batch, key), has_aux=True))
+        (value, _), grads = grad_fn(trainable)
+        assert np.isfinite(float(value)), name
+        assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads)), name
+        assert sum(float(jnp.abs(g).sum()) for g in jax.tree_util.tree_leaves(grads)) > 0, name

@@ -334,3 +334,18 @@ def test_training_scores_each_row_on_the_token_after_next(targets):
     np.testing.assert_allclose(float(loss), nll[loss_mask[0, 2:] > 0].mean(), rtol=2e-4)
     assert float(jnp.abs(grads["fc"]).max()) > 0
     assert max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(grads["layer"])) > 0
+
+    # The rollout loss "edr" over a window covering the whole response (tokens y_j = x_{5+j}) is edr_loss on
+    # that rollout with one draft per round, q of y_{j+1} the reference's row 4 + j.
+    from jspec.train import drafter as train_drafter
+    from jspec.train import losses
+
+    edr, _ = mtp.train_loss(dparams, target.params, target.cfg, dr, DrafterLoss("edr", num_anchors=t - 5), batch,
+                            jax.random.key(0))
+    _, target_logp = train_drafter.target_pass(target.params, target.cfg, jnp.asarray(seq), ())
+    n = t - 5
+    q = np.zeros((1, n, 1, target.cfg.vocab_size), np.float32)
+    q[0, : n - 1, 0] = logp[4: 4 + n - 1]
+    want = losses.edr_loss(jnp.asarray(q), target_logp[:, 4: 4 + n], jnp.asarray(seq[:, 5:]), jnp.ones((1, n)))
+    np.testing.assert_allclose(float(edr), float(want), rtol=2e-4)
+    assert 1 / 2 <= float(edr) <= 1  # a round commits one or two tokens

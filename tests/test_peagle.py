@@ -318,6 +318,9 @@ def test_the_recipe_builds_and_its_loss_trains(target):
                                   jax.random.key(1))
     assert isinstance(dr, PEagle) and dr.mask_token_id == 2 and dr.block_size == 3
     assert params["mask_hidden"].shape == (1, 1, 3 * TARGET.hidden_size)
+    assert fam.recipe.own_loss == "cod"
+    with pytest.raises(ValueError, match="drafter.loss 'kl': P-EAGLE trains with its conditional-on-depth"):
+        fam.recipe.build({"drafter": {"loss": "kl"}}, target, jax.random.key(1))
     tokens = jnp.asarray(np.random.RandomState(6).randint(3, TARGET.vocab_size, (2, 20)), jnp.int32)
     batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens).at[:, :4].set(0)}
     trainable = {k: v for k, v in params.items() if k != "d2t"}

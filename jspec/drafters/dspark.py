@@ -280,13 +280,18 @@ def _build(run: dict, target, key) -> tuple[DSpark, dict]:
                                                                     std=run.get("init_std", 0.02))
 
 
+OWN_LOSS = "dspark"
+
+
 def train_loss(params, target_params, target_cfg, drafter: DSpark, spec, batch: dict, key: jax.Array):
-    """DSpark: Markov head teacher-forced on the true previous token; 0.1 CE + 0.9 L1 + confidence BCE."""
+    """DSpark: Markov head teacher-forced on the true previous token. Loss "dspark" (the default): 0.1 CE +
+    0.9 L1 + confidence BCE; any other run loss (losses.LOSSES) replaces the CE + L1 part, the confidence
+    head (if any) still trained by its BCE (position-weighted by gamma)."""
     cfg = drafter.spark
     b_cfg = cfg.backbone
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, b_cfg.target_layer_ids)
-    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     labels, mask, p_t = train_drafter.block_targets(b_cfg.num_drafts, tokens, loss_mask, target_logp, anchors,
                                                     valid)
     hidden = dflash.train_hidden(params, b_cfg, params["embed"], taps, tokens, anchors)  # [B, A, g, H]
@@ -309,7 +314,12 @@ def train_loss(params, target_params, target_cfg, drafter: DSpark, spec, batch: 
     elif cfg.confidence_head:
         conf = confidence(params, cfg, hidden, None)
     draft_logp = jax.nn.log_softmax(logits, axis=-1)
-    loss = losses.dspark_loss(draft_logp, p_t, labels, mask, conf, spec.gamma)
+    if spec.name == OWN_LOSS:
+        loss = losses.dspark_loss(draft_logp, p_t, labels, mask, conf if cfg.confidence_head else None, spec.gamma)
+    else:
+        loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+        if cfg.confidence_head:
+            loss = loss + losses.weighted_mean(losses.confidence_bce(draft_logp, p_t, conf), mask, spec.gamma)
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
 
 
@@ -330,5 +340,6 @@ def _example(target) -> tuple[DSpark, dict]:
 
 register_family(Family(name="dspark", drafter=DSpark, detect=is_dspark_config, load=_load, save=_save,
                        with_shape=dflash.with_shape, example=_example,
-                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "lm_head")),
+                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "lm_head"),
+                                          own_loss=OWN_LOSS),
                        summary="DeepSpec DSpark: architectures Qwen3DSparkModel"))

@@ -664,6 +664,7 @@ def with_shape(drafter: Eagle3, block_size: int, tree_budget: int) -> Eagle3:
 # the steps' losses are summed with weights TTT_DECAY ** i.
 
 TTT_STEPS, TTT_DECAY = 7, 0.8
+OWN_LOSS = "ttt"
 
 
 def shift_rows(x: jax.Array, n: int) -> jax.Array:
@@ -711,8 +712,12 @@ def ttt_logq(params: dict, cfg: Eagle3Config, embed, taps: jax.Array, tokens: ja
 
 
 def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: dict, key: jax.Array):
-    """Scalar TTT loss and metrics (module section above). batch: tokens [B, T], loss_mask [B, T]. The run's
-    loss name is not read: EAGLE-3 trains with its own objective."""
+    """Scalar loss and metrics. batch: tokens [B, T], loss_mask [B, T]. Loss "ttt" (the default): the
+    training-time test (module section above). Any loss of jspec.train.losses instead scores the same
+    unrolled steps as blocks: step i at row a - 1 is slot i of the round anchored at a (it drafts
+    x_{a+1+i} given the text up to a), at the anchors the loss trains on (`drafter.anchors_for`: a window
+    of consecutive ones for EDR / Draft-OPD), over the draft vocabulary with the target's distribution
+    restricted to it and renormalised (TTT's convention); slots whose token lies outside it end the block."""
     from jspec.train import drafter as train_drafter
 
     cfg = drafter.cfg
@@ -722,6 +727,8 @@ def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: 
     logq = ttt_logq(params, cfg, embed, taps, tokens)
     ids = jnp.arange(cfg.draft_vocab_size) + params["d2t"]  # the draft vocabulary's target ids
     in_draft = jnp.zeros((target_cfg.vocab_size,), bool).at[ids].set(True)
+    if spec.name != OWN_LOSS:
+        return _block_loss(logq, ids, in_draft, spec, tokens, loss_mask, target_logp, key)
     total, metrics = 0.0, {}
     for i in range(logq.shape[0]):
         p_logp = shift_rows(target_logp, 1 + i)  # row t: the target's distribution of x_{t+2+i}
@@ -735,6 +742,24 @@ def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: 
         metrics[f"acc_{i}"] = jnp.sum(hit) / n
     metrics["acc"] = metrics["acc_0"]
     return total, metrics
+
+
+def _block_loss(logq, ids, in_draft, spec, tokens, loss_mask, target_logp, key):
+    """The run's distribution loss over the TTT steps read as blocks (see `train_loss`)."""
+    from jspec.train import drafter as train_drafter
+
+    g, b, t, _ = logq.shape
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
+    valid = valid & (anchors >= 1)  # row a - 1 holds the anchor's round
+    labels, mask, p_t = train_drafter.block_targets(g, tokens, loss_mask, target_logp, anchors, valid)
+    rows = jnp.arange(b)[:, None]
+    draft_logp = jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)  # [B, A, g, draft_V]
+    p_d = jax.nn.log_softmax(p_t[..., ids], axis=-1)
+    to_draft = jnp.zeros(in_draft.shape, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    mask = jnp.cumprod(mask * in_draft[labels], axis=-1)
+    labels = to_draft[labels]
+    loss = train_drafter.distribution_loss(spec, draft_logp, p_d, labels, mask)
+    return loss, train_drafter.metrics(draft_logp, p_d, labels, mask)
 
 
 def build_drafter(run: dict, target, key) -> tuple[Eagle3, dict]:
@@ -786,5 +811,6 @@ def _example(target) -> tuple[Eagle3, dict]:
 
 
 register_family(Family(name="eagle3", drafter=Eagle3, detect=_detect, load=_load, save=_save, with_shape=with_shape,
-                       recipe=TrainRecipe(build=build_drafter, loss=train_loss, frozen=("d2t",)), example=_example,
+                       recipe=TrainRecipe(build=build_drafter, loss=train_loss, frozen=("d2t",), own_loss=OWN_LOSS),
+                       example=_example,
                        summary="EAGLE-3 (SpecForge / vLLM): config.json with architectures [LlamaForCausalLMEagle3]"))

@@ -37,6 +37,9 @@ class TrainRecipe:
         the frozen target's; batch holds tokens [B, T] and loss_mask [B, T]; spec is a
         jspec.train.drafter.DrafterLoss; metrics are scalars (the trainer logs them).
     frozen: top-level parameter names that stay fixed (copies of the target's embedding / head).
+    own_loss: the name of the family's own published objective, when it has one that is not a loss of
+        jspec.train.losses (EAGLE-3's "ttt", DSpark's "dspark"): the run's default loss, and one more name
+        the drafter section's "loss" accepts beside losses.LOSSES (which the recipe applies to its drafts).
     data: what the run prepares: "distilled" (prompts from the corpus continued by the target).
     """
 
@@ -44,6 +47,7 @@ class TrainRecipe:
     loss: Callable[..., tuple[Any, dict]]
     frozen: tuple[str, ...] = ()
     data: str = "distilled"
+    own_loss: str | None = None
 
 
 def _no_shape(drafter: Drafter, block_size: int, tree_budget: int) -> Drafter:

@@ -678,7 +678,7 @@ def train_loss(params, target_params, target_cfg, drafter: HeadDrafter, spec, ba
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     taps, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, (target_cfg.num_layers - 1,))
     hidden = tm.final_norm(target_params, target_cfg, taps[0])
-    anchors, valid = train_drafter.sample_anchors(key, loss_mask, spec.num_anchors)
+    anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     valid = valid & (anchors >= 1)  # the hidden state before the anchor must exist
     labels, mask, p_t = train_drafter.block_targets(cfg.num_heads, tokens, loss_mask, target_logp, anchors, valid)
     logits = train_logits(params, cfg, target_params["embed"], hidden, tokens, anchors)

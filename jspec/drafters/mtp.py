@@ -335,8 +335,11 @@ def _build(run: dict, target, key) -> tuple[MTP, dict]:
 
 
 def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dict, key: jax.Array):
-    """The run's distribution loss of row i's q against the target's row for x_{i+2}, over response tokens."""
+    """The run's distribution loss of row i's q against the target's row for x_{i+2}, over response tokens
+    (row i is the one-draft round anchored at x_{i+1}); the rollout losses (EDR, Draft-OPD) over a window of
+    consecutive anchors of the response (`drafter.window_anchors`)."""
     from jspec.train import drafter as train_drafter
+    from jspec.train import losses
 
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     b, t = tokens.shape
@@ -351,6 +354,12 @@ def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dic
     labels = tokens[:, 2:, None]
     mask = (loss_mask[:, 2:, None] > 0).astype(jnp.float32)
     p_t = target_logp[:, 1:-1, None]  # the target's distribution of x_{i+2}: its output at i + 1
+    if spec.name in losses.WINDOW_LOSSES:  # the rollout losses read a window of consecutive anchors a (row a - 1)
+        anchors, valid = train_drafter.window_anchors(key, loss_mask, spec.num_anchors)
+        rows = jnp.clip(anchors - 1, 0, t - 3)
+        draft_logp, p_t, labels, mask = (jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), 1)
+                                         for x in (draft_logp, p_t, labels, mask))
+        mask = mask * (valid & (anchors >= 1) & (anchors <= t - 2))[..., None]
     loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
 

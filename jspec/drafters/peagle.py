@@ -266,9 +266,12 @@ def cod_logq(params: dict, cfg: Eagle3Config, mask_token_id: int, embed, taps: j
     return jnp.moveaxis(logq.reshape(b, d, t, -1), 1, 0)
 
 
+OWN_LOSS = "cod"  # conditional-on-depth sampled training depths (the only objective this recipe trains)
+
+
 def train_loss(params, target_params, target_cfg, drafter: PEagle, spec, batch: dict, key: jax.Array):
     """Scalar loss and metrics (module section above). batch: tokens [B, T], loss_mask [B, T]. The run's loss
-    name is not read: P-EAGLE trains with its own objective."""
+    is "cod": P-EAGLE trains with its own objective only (`_build` refuses others)."""
     from jspec.train import drafter as train_drafter
 
     cfg = drafter.cfg
@@ -296,6 +299,9 @@ def train_loss(params, target_params, target_cfg, drafter: PEagle, spec, batch: 
 def _build(run: dict, target, key) -> tuple[PEagle, dict]:
     """A P-EAGLE drafter from a run config's drafter section: EAGLE-3's keys (intermediate_size,
     target_layer_ids, block_size) plus mask_token_id (default the target's last id)."""
+    if run["drafter"].get("loss", OWN_LOSS) != OWN_LOSS:
+        raise ValueError(f"drafter.loss {run['drafter']['loss']!r}: P-EAGLE trains with its conditional-on-depth "
+                         f"objective only; drop the key or set it to {OWN_LOSS!r}")
     base, _ = eagle3.build_drafter(run, target, key)
     mask_id = int(run["drafter"].get("mask_token_id", target.cfg.vocab_size - 1))
     drafter = PEagle(cfg=base.cfg, block_size=base.block_size, mask_token_id=mask_id)
@@ -315,5 +321,6 @@ def _example(target) -> tuple[PEagle, dict]:
 
 
 register_family(Family(name="peagle", drafter=PEagle, detect=_detect, load=_load, save=_save, with_shape=with_shape,
-                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("d2t",)), example=_example,
+                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("d2t",), own_loss=OWN_LOSS),
+                       example=_example,
                        summary="P-EAGLE (SpecForge): config.json with architectures [PEagleDraftModel]"))

@@ -82,13 +82,15 @@ def self_distill(target, prompts: list[list[int]], new_tokens: int, batch: int, 
 LOSS_KEYS = ("loss", "num_anchors", "gamma")  # the drafter section's keys the run itself reads
 
 
-def drafter_loss(section: dict, where: str = "the run config") -> DrafterLoss:
-    """The training objective's settings from the drafter section (loss, num_anchors, gamma), checked."""
-    spec = DrafterLoss(name=section.get("loss", "ce"), num_anchors=section.get("num_anchors", 16),
+def drafter_loss(section: dict, where: str = "the run config", own: str | None = None) -> DrafterLoss:
+    """The training objective's settings from the drafter section (loss, num_anchors, gamma), checked. own:
+    the family's own objective (`TrainRecipe.own_loss`), the default loss when there is one."""
+    spec = DrafterLoss(name=section.get("loss", own or "ce"), num_anchors=section.get("num_anchors", 16),
                        gamma=section.get("gamma", 4.0))
+    names = (own, *losses.LOSSES) if own else tuple(losses.LOSSES)
     problems = []
-    if not isinstance(spec.name, str) or spec.name not in losses.LOSSES:
-        problems.append(f"drafter.loss {spec.name!r} is no drafter loss: use one of {', '.join(losses.LOSSES)}")
+    if not isinstance(spec.name, str) or spec.name not in names:
+        problems.append(f"drafter.loss {spec.name!r} is no loss of this drafter: use one of {', '.join(names)}")
     if isinstance(spec.num_anchors, bool) or not isinstance(spec.num_anchors, int) or spec.num_anchors < 1:
         problems.append(f"drafter.num_anchors must be an integer >= 1, got {spec.num_anchors!r}")
     if (isinstance(spec.gamma, bool) or not isinstance(spec.gamma, (int, float)) or not math.isfinite(spec.gamma)
@@ -112,7 +114,7 @@ def build_drafter(family_name: str, cfg: dict, target, config_path: str | None =
     if not isinstance(cfg.get("drafter"), dict):
         raise ConfigError(f"{where}: needs a \"drafter\" section, an object of the {family_name} drafter's settings")
     section = ReadKeys(cfg["drafter"])
-    drafter_loss(section, where)
+    drafter_loss(section, where, fam.recipe.own_loss)
     run = {**cfg, "drafter": section}
     try:
         dr, params = fam.recipe.build(run, target, jax.random.key(cfg.get("train", {}).get("seed", 0) + 1))
@@ -152,9 +154,9 @@ def validation_tau(dr, frozen: dict, target, cfg: dict, out_dir: str, tc: TrainC
     compiled loop's greedy tau on the same texts, without running the loop)."""
     from jspec.train import evaluate
 
-    if getattr(dr, "kind", None) != "chain" or not hasattr(dr, "num_drafts"):
+    if not evaluate.supports(dr):
         raise ConfigError(f"train.eval_every: the offline evaluator scores chain drafters of a fixed block "
-                          f"(DFlash, DSpark), not a {type(dr).__name__}: drop eval_every from the run config")
+                          f"(DFlash, DSpark, EAGLE-3), not a {type(dr).__name__}: drop eval_every from the run config")
     dist = cfg["distill"]
     ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
     prompts = corpus_prompts(target, ds_dir, "validation", tc.eval_prompts, dist["prompt_len"], dist.get("seed", 0))
@@ -219,7 +221,7 @@ def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, 
         self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz, progress=progress)
     tok_dir = data.build_token_dataset({"train": npz}, os.path.join(out_dir, "tfds"))
     arrays = data.padded_examples(data.read_split(tok_dir, "train"), dist["prompt_len"] + dist["new_tokens"])
-    spec = drafter_loss(cfg["drafter"])
+    spec = drafter_loss(cfg["drafter"], own=recipe.own_loss)
     tc = TrainConfig(**cfg["train"])
     base_key = jax.random.key(tc.seed)
     frozen = {k: v for k, v in params.items() if k in recipe.frozen}

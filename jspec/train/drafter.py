@@ -25,7 +25,7 @@ from jspec.train import losses
 
 @dataclasses.dataclass(frozen=True)
 class DrafterLoss:
-    name: str = "ce"  # a key of losses.LOSSES (families with their own objective, e.g. DSpark, ignore it)
+    name: str = "ce"  # a key of losses.LOSSES, or the family's own objective (TrainRecipe.own_loss)
     num_anchors: int = 16
     gamma: float = 4.0  # position decay of the loss weights
     eta: float = 3.0  # LK hybrid

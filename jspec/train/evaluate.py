@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters import dflash, dspark
+from jspec.drafters import dflash, dflash2, dspark, eagle3, peagle
 from jspec.models import target as tm
 from jspec.verify.sampling import SamplingParams, served_logprobs
 
@@ -179,6 +179,30 @@ def pooled_tau(n_tokens, rounds) -> float:
 ANCHOR_GROUP = 8  # anchors per drafter pass: the blocks' joint attention grows with their number squared
 
 
+def supports(drafter) -> bool:
+    """Whether the offline statistics cover this drafter: a chain of DFlash, DSpark or EAGLE-3 (not DFlash2's
+    selector nor P-EAGLE's masked rows, whose teacher-forced q these statistics do not compute)."""
+    return (getattr(drafter, "kind", None) == "chain" and not isinstance(drafter, (peagle.PEagle, dflash2.DFlash2))
+            and isinstance(drafter, (dflash.DFlash, dspark.DSpark, eagle3.Eagle3)))
+
+
+def _block_logits(target_params, target_cfg, drafter, dparams, taps, tokens):
+    """anchors [B, A] -> the drafter's logits [B, A, g, V] for blocks at those anchors, teacher-forced on
+    `tokens`. EAGLE-3 (a sequential chain): step k - 1 of the training-time test at row a - 1 is slot k of
+    the round anchored at a given drafts 1..k-1 equal to the text (tests/test_eagle3.py checks the steps
+    against the chained reference), computed once for every row."""
+    if not supports(drafter):
+        raise TypeError(f"offline statistics cover chains of DFlash, DSpark and EAGLE-3 drafters, not "
+                        f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
+    if isinstance(drafter, eagle3.Eagle3):
+        embed = dparams["embed"] if drafter.cfg.own_embedding else target_params["embed"]
+        logq = eagle3.ttt_logq(dparams, drafter.cfg, embed, taps, tokens, drafter.num_drafts)  # [g, B, T, Vd]
+        logq = eagle3.to_target(logq, eagle3.target_index(dparams["d2t"], target_cfg.vocab_size))
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        return lambda anchors: jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)
+    return lambda anchors: _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors)
+
+
 def _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors):
     """The drafter's logits [B, A, g, V] for blocks at anchors [B, A], teacher-forced on `tokens`."""
     if isinstance(drafter, dspark.DSpark):
@@ -201,7 +225,7 @@ def _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, a
     if isinstance(drafter, dflash.DFlash):
         hid = dflash.train_hidden(dparams, drafter.cfg, target_params["embed"], taps, tokens, anchors)
         return dflash.draft_logits(target_params, target_cfg, drafter.cfg, hid)
-    raise TypeError(f"offline statistics cover DFlash and DSpark drafters, not {type(drafter).__name__}")
+    raise AssertionError(type(drafter))  # `supports` admits DFlash and DSpark only here
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 7))
@@ -217,13 +241,14 @@ def _slot_stats(target_params, target_cfg, drafter, dparams, tokens, prompt_len,
     p_logp = served_logprobs(tm.logits(target_params, target_cfg, hidden), sampling)  # row t: token t + 1
     groups = -(-n // ANCHOR_GROUP)
     rows = jnp.arange(b)[:, None, None]
+    block_logits = _block_logits(target_params, target_cfg, drafter, dparams, taps, tokens)
 
     def group(i):
         a = i * ANCHOR_GROUP + jnp.arange(ANCHOR_GROUP)
         anchors = jnp.minimum(prompt_len[:, None] + a[None], length - 1)  # [B, A] absolute index of y_a
         label_pos = jnp.minimum(anchors[..., None] + 1 + jnp.arange(g), length - 1)  # [B, A, g]
         labels = tokens[rows, label_pos]
-        logits = _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors)
+        logits = block_logits(anchors)
         q_logp = served_logprobs(logits, sampling)
         p_rows = p_logp[rows, label_pos - 1]  # the target's distribution of each slot's token
         lq = jnp.take_along_axis(q_logp, labels[..., None], -1)[..., 0]
@@ -237,7 +262,7 @@ def _slot_stats(target_params, target_cfg, drafter, dparams, tokens, prompt_len,
 
 def rollout_stats(target, drafter, dparams, prompts: Sequence[Sequence[int]], texts: Sequence[Sequence[int]],
                   sampling: SamplingParams = SamplingParams(1.0), batch: int = 4) -> RolloutStats:
-    """RolloutStats of chain drafter `drafter` (DFlash or DSpark, with its params) along `texts` (the new
+    """RolloutStats of chain drafter `drafter` (DFlash, DSpark or EAGLE-3, with its params) along `texts` (the new
     tokens y_0.. of each prompt, e.g. `jspec.generate(...).tokens`), under the served `sampling` of both
     models (greedy: only `hits` matters). `batch` texts per pass."""
     if drafter.kind != "chain":

@@ -25,7 +25,7 @@ def position_weights(g: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(g, dtype=jnp.float32) / gamma)
 
 
-def _weighted_mean(per_pos: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
+def weighted_mean(per_pos: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
     w = position_weights(per_pos.shape[-1], gamma) * mask
     return jnp.sum(per_pos * w) / jnp.maximum(jnp.sum(w), 1e-9)
 
@@ -48,15 +48,15 @@ def forward_kl(draft_logp, target_logp) -> jax.Array:
 
 def ce_loss(draft_logp, target_logp, labels, mask, gamma=7.0):
     nll = -jnp.take_along_axis(draft_logp, labels[..., None], axis=-1)[..., 0]
-    return _weighted_mean(nll, mask, gamma)
+    return weighted_mean(nll, mask, gamma)
 
 
 def kl_loss(draft_logp, target_logp, labels, mask, gamma=7.0):
-    return _weighted_mean(forward_kl(draft_logp, target_logp), mask, gamma)
+    return weighted_mean(forward_kl(draft_logp, target_logp), mask, gamma)
 
 
 def tv_loss(draft_logp, target_logp, labels, mask, gamma=7.0):
-    return _weighted_mean(tv_distance(draft_logp, target_logp), mask, gamma)
+    return weighted_mean(tv_distance(draft_logp, target_logp), mask, gamma)
 
 
 def lk_hybrid_loss(draft_logp, target_logp, labels, mask, gamma=7.0, eta=3.0):
@@ -70,12 +70,12 @@ def lk_hybrid_loss(draft_logp, target_logp, labels, mask, gamma=7.0, eta=3.0):
     mean_alpha = jnp.sum(alpha.reshape(m.shape) * m, axis=0) / jnp.maximum(jnp.sum(m, axis=0), 1e-9)  # [g]
     lam = jnp.exp(-eta * mean_alpha)
     per = lam * forward_kl(draft_logp, target_logp) + (1 - lam) * tv_distance(draft_logp, target_logp)
-    return _weighted_mean(per, mask, gamma)
+    return weighted_mean(per, mask, gamma)
 
 
 def lk_likelihood_loss(draft_logp, target_logp, labels, mask, gamma=7.0):
     """-log alpha per position."""
-    return _weighted_mean(-jnp.log(jnp.maximum(acceptance(draft_logp, target_logp), 1e-9)), mask, gamma)
+    return weighted_mean(-jnp.log(jnp.maximum(acceptance(draft_logp, target_logp), 1e-9)), mask, gamma)
 
 
 def e2e_tv_loss(draft_logp, target_logp, labels, mask, gamma=None):
@@ -201,14 +201,20 @@ def edr_loss(draft_logp, target_logp, tokens, mask, rule="speculative"):
     return jnp.sum(edr_rounds(draft_logp, target_logp, tokens, mask, rule)) / jnp.maximum(committed, 1)
 
 
-def dspark_loss(draft_logp, target_logp, labels, mask, confidence, gamma=4.0):
-    """0.1 CE + 0.9 L1 (sum |p_d - p_t|, not halved) + 1.0 BCE(confidence, 1 - TV detached)."""
-    nll = -jnp.take_along_axis(draft_logp, labels[..., None], axis=-1)[..., 0]
-    l1 = 2 * tv_distance(draft_logp, target_logp)
+def confidence_bce(draft_logp, target_logp, confidence):
+    """Per-position BCE of a confidence head against the slot's acceptance 1 - TV (detached) [..., g]."""
     goal = jax.lax.stop_gradient(1 - tv_distance(draft_logp, target_logp))
     c = jnp.clip(confidence, 1e-6, 1 - 1e-6)
-    bce = -(goal * jnp.log(c) + (1 - goal) * jnp.log(1 - c))
-    return _weighted_mean(0.1 * nll + 0.9 * l1 + bce, mask, gamma)
+    return -(goal * jnp.log(c) + (1 - goal) * jnp.log(1 - c))
+
+
+def dspark_loss(draft_logp, target_logp, labels, mask, confidence, gamma=4.0):
+    """0.1 CE + 0.9 L1 (sum |p_d - p_t|, not halved) + 1.0 BCE(confidence, 1 - TV detached); confidence None:
+    a drafter without a confidence head (no BCE term)."""
+    nll = -jnp.take_along_axis(draft_logp, labels[..., None], axis=-1)[..., 0]
+    l1 = 2 * tv_distance(draft_logp, target_logp)
+    bce = 0.0 if confidence is None else confidence_bce(draft_logp, target_logp, confidence)
+    return weighted_mean(0.1 * nll + 0.9 * l1 + bce, mask, gamma)
 
 
 def domino_curriculum(ce_final, ce_base, progress, fraction: float = 1.0):
