@@ -43,7 +43,7 @@ bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop
 	$(PY) -m jspec.benchmarks.verify_cost
 
-# Retrain the built-in models from configs/ (about an hour on 2 CPU cores) and install them.
+# Retrain the built-in models from configs/ (about two hours on 2 CPU cores) and install them.
 builtin: $(VENV)/.base
 	$(VENV)/bin/jspec train target --config configs/code-target.json --out runs/code-target
 	$(VENV)/bin/jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
@@ -51,8 +51,11 @@ builtin: $(VENV)/.base
 	$(PY) -m jspec.train.upgrade runs/code-dflash/model runs/code-dflash2-init
 	$(VENV)/bin/jspec train dflash2 --init runs/code-dflash2-init --config configs/code-dflash2.json \
 		--target runs/code-target/model --out runs/code-dflash2
+	$(VENV)/bin/jspec train eagle3 --config configs/code-eagle3.json --target runs/code-target/model \
+		--out runs/code-eagle3 --steps 200
+	$(VENV)/bin/jspec train mtp --config configs/code-mtp.json --target runs/code-target/model --out runs/code-mtp
 	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model \
-		runs/code-dflash2/model
+		runs/code-dflash2/model runs/code-eagle3/model runs/code-mtp/model
 
 # Re-resolve pyproject.toml's ranges (the newest releases they admit) in a fresh venv and write the lock
 # files (the test lock with setuptools, which torch needs at run time); run the suite on the result before

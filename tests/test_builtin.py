@@ -15,9 +15,9 @@ def setup():
     return target, held_out_prompts(target, 32, 48)
 
 
-def _tau(target, prompts, drafter, sampling, verifier):
+def _tau(target, prompts, drafter, sampling, verifier, block_size=None):
     res = jspec.generate(target, prompts, max_new_tokens=128, sampling=sampling, seeds=0, eos_ids=[],
-                         drafter=drafter, verifier=verifier)
+                         drafter=drafter, verifier=verifier, block_size=block_size)
     return res.stats["tau"]
 
 
@@ -47,3 +47,12 @@ def test_dflash2_drafts_longer_greedy_chains_than_its_backbone(setup):
     two = _tau(target, prompts, "builtin:code-dflash2", SamplingParams(0.0), "greedy")
     one = _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy")
     assert two > one and two >= 3.3
+
+
+def test_autoregressive_feature_drafters_reach_their_acceptance(setup):
+    """Same prompts, greedy: the built-in MTP module (one target-shaped layer on the target's last hidden
+    state, chained; configs/code-mtp.json) at 4 drafts, and the built-in EAGLE-3 (the step-200 checkpoint of
+    configs/code-eagle3.json) at 6."""
+    target, prompts = setup
+    assert _tau(target, prompts, "builtin:code-mtp", SamplingParams(0.0), "greedy", block_size=4) >= 3.3
+    assert _tau(target, prompts, "builtin:code-eagle3", SamplingParams(0.0), "greedy", block_size=6) >= 1.9

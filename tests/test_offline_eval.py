@@ -331,20 +331,25 @@ def test_edr_loss_masks_and_pools():
 
 
 @pytest.fixture(scope="module")
-def builtin():
+def builtin_target():
     import jspec
 
-    target = jspec.load_target("builtin:code-target")
-    return target, jspec.load_drafter("builtin:code-dflash", target)
+    return jspec.load_target("builtin:code-target")
 
 
-def test_greedy_matches_the_loop(builtin):
+@pytest.mark.parametrize("name, block", [("builtin:code-dflash", None), ("builtin:code-eagle3", 5)])
+def test_greedy_matches_the_loop(builtin_target, name, block):
     """Greedy rounds from the target's text and the drafter's rows along it equal the compiled loop's,
-    row by row (3 prompts x 40 new tokens), and the texts are the plain greedy decoder's."""
+    row by row (3 prompts x 40 new tokens), and the texts are the plain greedy decoder's: for DFlash (a
+    parallel block) and EAGLE-3 (a sequential chain: its rows are the training-time test's steps)."""
     import jspec
+    from jspec.drafters import family
     from jspec.verify.sampling import SamplingParams
 
-    target, (drafter, dparams) = builtin
+    target = builtin_target
+    drafter, dparams = jspec.load_drafter(name, target)
+    if block is not None:
+        drafter = family.family_of(drafter).with_shape(drafter, block, 0)
     sources = ["def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
                "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
                "import os\nimport sys\n\n\ndef main():\n    for name in os.listdir("]
@@ -363,7 +368,7 @@ def test_greedy_matches_the_loop(builtin):
     offline = evaluate.greedy_rounds(stats)
     assert offline.tolist() == loop_rounds
     np.testing.assert_allclose(evaluate.expected_rounds("greedy", stats), loop_rounds)
-    assert min(loop_rounds) < 39  # drafts were accepted
+    assert min(loop_rounds) < 30  # drafts were accepted
     out = evaluate.offline_tau("greedy", stats)
     np.testing.assert_allclose(out["tau"], 3 * 39 / sum(loop_rounds))
 

@@ -135,7 +135,7 @@ def test_wheel_carries_configs_models_license_and_types(tmp_path):
                     "-w", str(tmp_path)], check=True, capture_output=True, env=dict(os.environ, PIP_NO_INPUT="1"))
     (wheel,) = glob.glob(str(tmp_path / "jspec-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for cfg in ("code-target", "code-dflash", "code-dspark", "code-dflash2"):
+    for cfg in ("code-target", "code-dflash", "code-dspark", "code-dflash2", "code-eagle3", "code-mtp"):
         assert f"jspec/configs/{cfg}.json" in names
         assert any(n.startswith(f"jspec/builtin/{cfg}/") and n.endswith(".safetensors") for n in names)
     assert "jspec/py.typed" in names

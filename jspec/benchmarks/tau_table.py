@@ -1,10 +1,11 @@
 """Acceptance of the built-in drafters on held-out standard-library files (greedy and T = 1).
 
-    python -m jspec.benchmarks.tau_table [--prompts 32] [--new-tokens 128]
+    python -m jspec.benchmarks.tau_table [--prompts 32] [--new-tokens 128] [--drafters NAME[@BLOCK],...]
 
 Prompts are cut from the validation split (files never used to train the target or the drafters).
 tau = committed tokens per round, pooled over all prompts (sum of tokens / sum of rounds); the
-verifier is greedy at T = 0 and speculative sampling at T = 1 (Gumbel coupling: tau_gumbel).
+verifier is greedy at T = 0 and speculative sampling at T = 1 (Gumbel coupling: tau_gumbel). A drafter
+drafts its checkpoint's own block unless the name ends in @BLOCK (lookup: 7).
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ def main(argv=None) -> None:
     target = jspec.load_target(args.target)
     prompts = held_out_prompts(target, args.prompts, args.prompt_len)
     rows = []
-    for name in args.drafters.split(","):
+    for entry in args.drafters.split(","):
+        name, _, block = entry.partition("@")
+        block_size = int(block) if block else (7 if name == "lookup" else None)
         cells = []
         for sampling, verifier in [(SamplingParams(0.0), "greedy"), (SamplingParams(1.0), "speculative"),
                                    (SamplingParams(1.0), "gumbel")]:
             res = jspec.generate(target, prompts, max_new_tokens=args.new_tokens, sampling=sampling, seeds=0,
-                                 eos_ids=[], drafter=name, verifier=verifier,
-                                 block_size=7 if name == "lookup" else None)  # checkpoints draft their own block
+                                 eos_ids=[], drafter=name, verifier=verifier, block_size=block_size)
             cells.append(res.stats["tau"])
-        rows.append((name, cells))
+        rows.append((entry, cells))
     print(f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens, target {args.target}")
     print("| drafter | tau greedy | tau T=1 (speculative) | tau T=1 (Gumbel) |")
     print("| --- | --- | --- | --- |")

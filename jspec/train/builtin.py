@@ -1,7 +1,7 @@
 """Install trained models as jspec's built-in models (bf16 safetensors under jspec/builtin/NAME).
 
     python -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model \
-        runs/code-dflash2/model
+        runs/code-dflash2/model runs/code-eagle3/model runs/code-mtp/model
 
 The models are reproducible from configs/ with `make builtin` (see the README).
 """
@@ -18,7 +18,7 @@ from jspec.api import BUILTIN_DIR
 from jspec.drafters import family
 from jspec.train.runfiles import replace_folder
 
-NAMES = ("code-target", "code-dflash", "code-dspark", "code-dflash2")
+NAMES = ("code-target", "code-dflash", "code-dspark", "code-dflash2", "code-eagle3", "code-mtp")
 
 
 def install(src: str, name: str) -> str:
@@ -39,7 +39,8 @@ def install(src: str, name: str) -> str:
 def main(argv=None) -> None:
     paths = sys.argv[1:] if argv is None else argv
     if len(paths) != len(NAMES):
-        raise SystemExit("usage: python -m jspec.train.builtin TARGET_DIR DFLASH_DIR DSPARK_DIR DFLASH2_DIR")
+        raise SystemExit("usage: python -m jspec.train.builtin TARGET_DIR DFLASH_DIR DSPARK_DIR DFLASH2_DIR EAGLE3_DIR "
+                         "MTP_DIR")
     for src, name in zip(paths, NAMES):
         dst = install(src, name)
         size = sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))
