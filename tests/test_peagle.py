@@ -7,29 +7,25 @@ files; saving writes SpecForge's names back; EAGLE-3 folders still detect as eag
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import jspec
 from jspec.drafters import family
-from jspec.drafters.base import CommitInfo, DraftContext, PrefillInfo
+from jspec.drafters.base import CommitInfo, DraftContext
 from jspec.drafters.peagle import PEagle
 from jspec.errors import CheckpointError
-from jspec.models import target as tm
-from jspec.models import transformer
-from jspec.models.config import ModelConfig
 from jspec.verify.rules import GREEDY, SAMPLE
 from jspec.verify.sampling import SamplingParams
 
-TARGET = ModelConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                     num_kv_heads=2, head_dim=8, qk_norm=True)
-H, HEADS, KV_HEADS, HEAD_DIM, FFN, DRAFT_V = 24, 4, 2, 8, 48, 40
-TAPS = [0, 2, 1]
+from test_eagle3 import (DRAFT_V, FFN, HEAD_DIM, HEADS, KV_HEADS, TAPS, TARGET, H, _full_taps, _prefill, _rms,  # noqa: F401
+                         _write, target)  # target: the shared fixture
+from test_eagle3 import _weights as eagle3_weights
+
 MASK_ID = 95
 K = 4  # drafts per pass
 
@@ -47,37 +43,10 @@ def _hf_config(**edits) -> dict:
 
 
 def _weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random tensors under SpecForge's names (`layers.0.*`, `mask_hidden`) and shapes."""
-    rng = np.random.RandomState(seed)
-    mat = lambda *shape: (0.25 * rng.randn(*shape)).astype(np.float32)
-    norm = lambda n: (1.0 + 0.3 * rng.randn(n)).astype(np.float32)
-    ids = np.sort(rng.choice(TARGET.vocab_size, DRAFT_V, replace=False))
-    t2d = np.zeros(TARGET.vocab_size, bool)
-    t2d[ids] = True
-    p = "layers.0."
-    return {"fc.weight": mat(H, 3 * TARGET.hidden_size), "norm.weight": norm(H), "lm_head.weight": mat(DRAFT_V, H),
-            "embed_tokens.weight": mat(TARGET.vocab_size, H), "d2t": (ids - np.arange(DRAFT_V)).astype(np.int64),
-            "t2d": t2d, "mask_hidden": rng.randn(1, 1, 3 * TARGET.hidden_size).astype(np.float32),
-            p + "hidden_norm.weight": norm(H), p + "input_layernorm.weight": norm(H),
-            p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": mat(HEADS * HEAD_DIM, 2 * H),
-            p + "self_attn.k_proj.weight": mat(KV_HEADS * HEAD_DIM, 2 * H),
-            p + "self_attn.v_proj.weight": mat(KV_HEADS * HEAD_DIM, 2 * H),
-            p + "self_attn.o_proj.weight": mat(H, HEADS * HEAD_DIM), p + "mlp.gate_proj.weight": mat(FFN, H),
-            p + "mlp.up_proj.weight": mat(FFN, H), p + "mlp.down_proj.weight": mat(H, FFN)}
-
-
-def _write(path, hf: dict, tensors: dict) -> str:
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return jspec.Target(TARGET, transformer.init_params(TARGET, jax.random.key(0), std=0.3))
+    """Random tensors under SpecForge's names (EAGLE-3's with the layer as `layers.0.*`, plus `mask_hidden`)."""
+    w = eagle3_weights(seed, prefix="layers.0.")
+    w["mask_hidden"] = np.random.RandomState(seed + 100).randn(1, 1, 3 * TARGET.hidden_size).astype(np.float32)
+    return w
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +56,6 @@ def official(tmp_path_factory):
 
 
 # --- the reference: float64 numpy, from the architecture -----------------------------------------------------------
-
-
-def _rms(x, w, eps=1e-5):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
 class Reference:
@@ -159,22 +124,6 @@ class Reference:
 
 
 # --- tests -----------------------------------------------------------------------------------------------------------
-
-
-def _full_taps(target, seq, taps):
-    b, s = seq.shape
-    out = tm.forward(target.params, target.cfg, jnp.asarray(seq), jnp.broadcast_to(jnp.arange(s), (b, s)),
-                     tm.init_cache(target.cfg, b, s), taps=taps)[2]
-    return np.asarray(out, np.float64)
-
-
-def _prefill(target, dr, dparams, seq, lens, p, cache):
-    prompts = jnp.asarray(np.where(np.arange(p)[None] < lens[:, None], seq[:, :p], 0))
-    b = len(lens)
-    taps = tm.forward(target.params, target.cfg, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)),
-                      tm.init_cache(target.cfg, b, p), taps=dr.taps)[2]
-    info = PrefillInfo(prompts, jnp.asarray(lens), taps, target_params=target.params, target_cfg=target.cfg)
-    return dr.init(dparams, info, cache)
 
 
 @pytest.mark.parametrize("policy", [SAMPLE, GREEDY])
