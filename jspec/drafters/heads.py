@@ -564,6 +564,17 @@ def _from_vllm(found: dict, hf: dict, k: int, layers: int, where: str) -> dict:
     return out
 
 
+def _heads(cls, kind: str, found: dict, hf: dict, path: str, target, dtype, head_name: str, k: int, layers: int,
+           fields: tuple[str, str]):
+    """(drafter, params) of K heads of L layers read from `found`, checked strictly against the config."""
+    h, v = _sizes(found, hf, target, head_name, os.path.join(path, "config.json"))
+    cfg = HeadsConfig(kind, k, layers, h, v)
+    params = _check_and_assemble(found, cfg, dtype, f"{cls.__name__} checkpoint {path!r}",
+                                 f"point at {cls.__name__} heads with {fields[0]} {k} and {fields[1]} {layers}, "
+                                 "or correct those fields")
+    return _finish(cls(cfg=cfg, target_layers=_target_layers(hf, target)), target), params
+
+
 def load_medusa(path: str, target, dtype) -> tuple[Medusa, dict]:
     """A Medusa folder (official names or vLLM's), strictly."""
     hf = read_config(path)
@@ -573,12 +584,8 @@ def load_medusa(path: str, target, dtype) -> tuple[Medusa, dict]:
     found = _read_tensors(path, "medusa_lm_head")
     if any(_VLLM_BLOCK.match(n) or _VLLM_HEAD.match(n) for n in found):
         found = _from_vllm(found, hf, k, layers, where)
-    h, v = _sizes(found, hf, target, f"0.{layers}.weight", where)
-    cfg = HeadsConfig(MEDUSA, k, layers, h, v)
-    params = _check_and_assemble(found, cfg, dtype, f"Medusa checkpoint {path!r}",
-                                 f"point at Medusa heads with medusa_num_heads {k} and medusa_num_layers {layers}, "
-                                 "or correct those fields")
-    return _finish(Medusa(cfg=cfg, target_layers=_target_layers(hf, target)), target), params
+    return _heads(Medusa, MEDUSA, found, hf, path, target, dtype, f"0.{layers}.weight", k, layers,
+                  ("medusa_num_heads", "medusa_num_layers"))
 
 
 def save_medusa(path: str, drafter: Medusa, params: dict, dtype=None) -> None:
@@ -610,12 +617,8 @@ def load_hydra(path: str, target, dtype) -> tuple[Hydra, dict]:
     hf = {"hydra_num_heads": 4, "hydra_num_layers": 1, **hf}
     k, layers = _count(hf, ("hydra_num_heads",), where, 1), _count(hf, ("hydra_num_layers",), where, 1)
     found = _read_tensors(path, "hydra_lm_head")
-    h, v = _sizes(found, hf, target, "hydra_lm_head.0.weight", where)
-    cfg = HeadsConfig(HYDRA, k, layers, h, v)
-    params = _check_and_assemble(found, cfg, dtype, f"Hydra checkpoint {path!r}",
-                                 f"point at Hydra heads with hydra_num_heads {k} and hydra_num_layers {layers}, "
-                                 "or correct those fields")
-    return _finish(Hydra(cfg=cfg, target_layers=_target_layers(hf, target)), target), params
+    return _heads(Hydra, HYDRA, found, hf, path, target, dtype, "hydra_lm_head.0.weight", k, layers,
+                  ("hydra_num_heads", "hydra_num_layers"))
 
 
 def save_hydra(path: str, drafter: Hydra, params: dict, dtype=None) -> None:
