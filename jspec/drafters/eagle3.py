@@ -744,16 +744,22 @@ def train_loss(params, target_params, target_cfg, drafter: Eagle3, spec, batch: 
     return total, metrics
 
 
+def steps_as_blocks(logq: jax.Array, anchors: jax.Array) -> jax.Array:
+    """Training-time-test steps [g, B, T, V] as blocks [B, A, g, V] at anchors [B, A] (each >= 1): step i at
+    row a - 1 is slot i of the round anchored at a (it drafts x_{a+1+i} given the text up to a)."""
+    rows = jnp.arange(logq.shape[1])[:, None]
+    return jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)
+
+
 def _block_loss(logq, ids, in_draft, spec, tokens, loss_mask, target_logp, key):
     """The run's distribution loss over the TTT steps read as blocks (see `train_loss`)."""
     from jspec.train import drafter as train_drafter
 
-    g, b, t, _ = logq.shape
+    g = logq.shape[0]
     anchors, valid = train_drafter.anchors_for(spec, key, loss_mask)
     valid = valid & (anchors >= 1)  # row a - 1 holds the anchor's round
     labels, mask, p_t = train_drafter.block_targets(g, tokens, loss_mask, target_logp, anchors, valid)
-    rows = jnp.arange(b)[:, None]
-    draft_logp = jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)  # [B, A, g, draft_V]
+    draft_logp = steps_as_blocks(logq, anchors)  # [B, A, g, draft_V]
     p_d = jax.nn.log_softmax(p_t[..., ids], axis=-1)
     to_draft = jnp.zeros(in_draft.shape, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
     mask = jnp.cumprod(mask * in_draft[labels], axis=-1)

@@ -198,8 +198,7 @@ def _block_logits(target_params, target_cfg, drafter, dparams, taps, tokens):
         embed = dparams["embed"] if drafter.cfg.own_embedding else target_params["embed"]
         logq = eagle3.ttt_logq(dparams, drafter.cfg, embed, taps, tokens, drafter.num_drafts)  # [g, B, T, Vd]
         logq = eagle3.to_target(logq, eagle3.target_index(dparams["d2t"], target_cfg.vocab_size))
-        rows = jnp.arange(tokens.shape[0])[:, None]
-        return lambda anchors: jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)
+        return lambda anchors: eagle3.steps_as_blocks(logq, anchors)
     return lambda anchors: _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors)
 
 
