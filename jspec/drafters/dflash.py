@@ -53,7 +53,7 @@ from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
-from jspec.verify.sampling import log_softmax_at
+from jspec.verify.sampling import log_softmax_at, served_logprobs
 
 
 def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
@@ -545,6 +545,15 @@ def train_hidden(params, cfg: DFlashConfig, embed, taps, tokens, anchors):
     return hidden if cfg.anchor_predicts else hidden[:, :, 1:]
 
 
+def offline_blocks(target_params, target_cfg, drafter: DFlash, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): a block's slots do not read its own drafts."""
+    def blocks(anchors):
+        hid = train_hidden(dparams, drafter.cfg, target_params["embed"], taps, tokens, anchors)
+        logits = draft_logits(target_params, target_cfg, drafter.cfg, hid)
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
 def _build(run: dict, target, key) -> tuple[DFlash, dict]:
     cfg = config_from_run(run["drafter"], target.cfg, anchor_predicts=False)
     return DFlash(cfg=cfg), init_params(cfg, key, std=run.get("init_std", 0.02))
@@ -586,6 +595,7 @@ def _example(target) -> tuple[DFlash, dict]:
 
 
 register_family(Family(name="dflash", drafter=DFlash,
-                       detect=lambda hf: "dflash_config" in hf and not is_dflash2_config(hf), load=_load, save=_save, with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       detect=lambda hf: "dflash_config" in hf and not is_dflash2_config(hf), load=_load, save=_save,
+                       with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss), offline=offline_blocks,
                        example=_example,
                        summary="z-lab DFlash: config.json with a dflash_config section"))

@@ -54,6 +54,7 @@ from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes
 from jspec.train import drafter as train_drafter
 from jspec.verify import noise
 from jspec.verify.rules import GREEDY, GUMBEL
+from jspec.verify.sampling import Served, served_logprobs
 
 # dflash_config settings of DFlash2 on top of DFlash's
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -422,6 +423,31 @@ def train_loss(params, target_params, target_cfg, drafter: DFlash2, spec, batch:
     return unary_loss + sel, dict(metrics, selector_ce=sel)
 
 
+def offline_blocks(target_params, target_cfg, drafter: DFlash2, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): slot k's selector reads the text's token before
+    it (the anchor for k = 1) as its predecessor, which is its draft when the drafts before it were
+    accepted; q_k = softmax(S_k / T) over the candidates, -inf elsewhere (the temperature only, as `stage`:
+    the sampling's top-k / top-p do not apply to it)."""
+    cfg, bb = drafter.dflash2, drafter.cfg
+    n, t = tokens.shape
+    ctx_k, ctx_v = dflash.context_kv(dparams, bb, taps, jnp.broadcast_to(jnp.arange(t), (n, t)))
+    temperature_only = Served(sampling.temperature, jnp.int32(0), jnp.float32(1.0), sampling.greedy)
+
+    def blocks(anchors):
+        anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+        hidden = draft_blocks(dparams, cfg, target_params["embed"], ctx_k, ctx_v, anchors,
+                              dflash.block_inputs(bb, anchor_tok))[:, :, 1:]
+        logits = dflash.draft_logits(target_params, target_cfg, bb, hidden)
+        unary, ids, factors = candidates(dparams, cfg, logits, hidden)
+        b, _, g, _ = ids.shape
+        prev = tokens[jnp.arange(b)[:, None, None], jnp.minimum(anchors[..., None] + jnp.arange(g), t - 1)]
+        scores = pair_scores(dparams, unary, ids, factors, prev)  # [B, A, g, k]
+        scattered = jnp.put_along_axis(jnp.full(logits.shape, -jnp.inf, jnp.float32), ids, scores, axis=-1,
+                                       inplace=False)
+        return scattered, served_logprobs(scattered, temperature_only)
+    return blocks
+
+
 def _load(path: str, target, dtype) -> tuple[DFlash2, dict]:
     cfg, params = load_checkpoint(path, dtype)
     return DFlash2(dflash2=cfg), params
@@ -453,6 +479,7 @@ def _example(target) -> tuple[DFlash2, dict]:
 
 register_family(Family(name="dflash2", drafter=DFlash2, detect=dflash.is_dflash2_config, load=_load, save=_save,
                        with_shape=with_shape, recipe=TrainRecipe(build=_build, loss=train_loss), example=_example,
+                       offline=offline_blocks,
                        summary="DFlash2: architectures DFlash2DraftModel (dynamic convolutions, candidate-pair "
                                "selector)"))
 

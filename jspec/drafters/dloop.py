@@ -50,6 +50,7 @@ from jspec.io.drafters import read_config
 from jspec.models.attention import write_block
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
+from jspec.verify.sampling import served_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,31 @@ def train_loss(params, target_params, target_cfg, drafter: DLoop, spec, batch: d
     return total, metrics
 
 
+def offline_blocks(target_params, target_cfg, drafter: DLoop, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`; a DFlash backbone): `stage_logps` unrolls the stages
+    on the text (stage s + 1 anchored on the text's token at a + s g, the previous stage's last draft when
+    its drafts were accepted). Stage s + 1 is drafted only while each earlier stage's summed log-probs of
+    its drafts (the text's tokens) exceed the threshold; its slots have log q = -inf otherwise."""
+    if type(drafter.inner) is not DFlash:
+        raise TypeError(f"the offline evaluator unrolls DLoop's stages over a DFlash backbone, not "
+                        f"{type(drafter.inner).__name__}")
+    g, t = drafter.stage_drafts, tokens.shape[1]
+
+    def blocks(anchors):
+        logps = stage_logps(dparams, target_params, target_cfg, drafter, tokens, taps, anchors)
+        rows = jnp.arange(tokens.shape[0])[:, None, None]
+        drafted, go = [], jnp.ones(anchors.shape, bool)
+        for s, logp in enumerate(logps):
+            drafted.append(jnp.broadcast_to(go[..., None], go.shape + (g,)))
+            labels = tokens[rows, jnp.minimum(anchors[..., None] + s * g + 1 + jnp.arange(g), t - 1)]
+            own = jnp.sum(jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], axis=-1)
+            go = go & (own > drafter.threshold)
+        logits = jnp.concatenate(logps, axis=2)
+        logq = jnp.where(jnp.concatenate(drafted, axis=2)[..., None], served_logprobs(logits, sampling), -jnp.inf)
+        return logits, logq
+    return blocks
+
+
 def _example(target) -> tuple[DLoop, dict]:
     inner, params = dflash._example(target)
     return DLoop(inner=inner, stages=2, threshold=-3.0), params
@@ -216,4 +242,5 @@ def _example(target) -> tuple[DLoop, dict]:
 
 register_family(Family(name="dloop", drafter=DLoop, detect=_detect, load=_load, save=_save, with_shape=with_shape,
                        example=_example, wraps=True, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       offline=offline_blocks,
                        summary="DLoop: a DFlash / DFlash2 / DSpark folder with a dloop_config section"))

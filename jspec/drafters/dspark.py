@@ -41,7 +41,7 @@ from jspec.models import quant, transformer
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
 from jspec.train import losses
-from jspec.verify.sampling import log_softmax_at
+from jspec.verify.sampling import log_softmax_at, served_logprobs
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -338,8 +338,32 @@ def _example(target) -> tuple[DSpark, dict]:
     return _build(run, target, jax.random.key(0))
 
 
+def offline_blocks(target_params, target_cfg, drafter: DSpark, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): slot k's Markov head reads the text's token before
+    it (the anchor for k = 1), which is its draft when the drafts before it were accepted."""
+    cfg = drafter.spark
+
+    def blocks(anchors):
+        hid = dflash.train_hidden(dparams, cfg.backbone, dparams["embed"], taps, tokens, anchors)
+        logits = jnp.einsum("bagh,vh->bagv", hid, dparams["lm_head"], preferred_element_type=jnp.float32)
+        if cfg.markov_rank:
+            b, a, g, _ = hid.shape
+            pos = jnp.minimum(anchors[..., None] + jnp.arange(g), tokens.shape[1] - 1)
+            prev = jnp.take_along_axis(tokens, pos.reshape(b, -1), axis=1).reshape(b * a, g)
+            flat_h = hid.reshape(b * a, g, -1)
+
+            def slot(s, k):
+                bias, _, s = markov_bias(dparams, cfg, flat_h[:, k], prev[:, k], s)
+                return s, bias
+
+            _, bias = jax.lax.scan(slot, jnp.zeros((b * a, cfg.markov_rank)), jnp.arange(g))
+            logits = logits + jnp.moveaxis(bias, 0, 1).reshape(b, a, g, -1)
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
 register_family(Family(name="dspark", drafter=DSpark, detect=is_dspark_config, load=_load, save=_save,
-                       with_shape=dflash.with_shape, example=_example,
+                       with_shape=dflash.with_shape, example=_example, offline=offline_blocks,
                        recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "lm_head"),
                                           own_loss=OWN_LOSS),
                        summary="DeepSpec DSpark: architectures Qwen3DSparkModel"))

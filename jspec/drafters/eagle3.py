@@ -79,6 +79,7 @@ from jspec.models.attention import KV_CHUNK, empty_softmax_stats, online_softmax
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.models.layers import linear, lm_logits, rms_norm, rope, swiglu
+from jspec.verify.sampling import served_logprobs
 
 # The architectures of an EAGLE-3 draft model's config.json: SpecForge / SGLang's and vLLM's names.
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -751,6 +752,20 @@ def steps_as_blocks(logq: jax.Array, anchors: jax.Array) -> jax.Array:
     return jnp.moveaxis(logq[:, rows, jnp.maximum(anchors - 1, 0)], 0, 2)
 
 
+def offline_blocks(target_params, target_cfg, drafter: Eagle3, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): the training-time test's steps read as blocks
+    (`steps_as_blocks`; tests/test_eagle3.py checks the steps against the chained drafter), computed once
+    for every row."""
+    embed = dparams["embed"] if drafter.cfg.own_embedding else target_params["embed"]
+    logq = ttt_logq(dparams, drafter.cfg, embed, taps, tokens, drafter.num_drafts)  # [g, B, T, draft_V]
+    logq = to_target(logq, target_index(dparams["d2t"], target_cfg.vocab_size))
+
+    def blocks(anchors):
+        rows = steps_as_blocks(logq, anchors)
+        return rows, served_logprobs(rows, sampling)
+    return blocks
+
+
 def _block_loss(logq, ids, in_draft, spec, tokens, loss_mask, target_logp, key):
     """The run's distribution loss over the TTT steps read as blocks (see `train_loss`)."""
     from jspec.train import drafter as train_drafter
@@ -818,5 +833,5 @@ def _example(target) -> tuple[Eagle3, dict]:
 
 register_family(Family(name="eagle3", drafter=Eagle3, detect=_detect, load=_load, save=_save, with_shape=with_shape,
                        recipe=TrainRecipe(build=build_drafter, loss=train_loss, frozen=("d2t",), own_loss=OWN_LOSS),
-                       example=_example,
+                       example=_example, offline=offline_blocks,
                        summary="EAGLE-3 (SpecForge / vLLM): config.json with architectures [LlamaForCausalLMEagle3]"))

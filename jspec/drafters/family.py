@@ -71,6 +71,13 @@ class Family:
     example(target) -> (Drafter, params): a small drafter of the family for this target (random weights,
         or derived from the target), which the conformance suite (tests/conformance.py) runs every
         registered family's checks on.
+    offline(target_params, target_cfg, drafter, dparams, taps, tokens, sampling) -> blocks: what the exact
+        offline round evaluator (jspec.train.evaluate) reads of a chain drafter along given texts tokens
+        [B, T], with the target's taps of them at drafter.taps ([n, B, T, H]) and its served sampling
+        (a `Served`). blocks(anchors [B, A]) -> (logits, log q) [B, A, g, V] of the rounds anchored at
+        those token indices: slot k's row given drafts 1..k-1 equal to the text (teacher-forced), its
+        argmax the greedy draft and log q the served law the loop reports (-inf: never drafted, e.g. a
+        slot past a data-dependent draft length). None: the evaluator does not cover the family.
     fallback: the family's `detect` accepts any plain causal LM (the small-LM drafter); it loads a folder
         only when no other family's `detect` does (a drafter format built on a causal-LM config wins).
     """
@@ -84,6 +91,7 @@ class Family:
     with_shape: Callable[[Drafter, int, int], Drafter] = _no_shape
     recipe: TrainRecipe | None = None
     example: Callable[[Any], tuple[Drafter, Any]] | None = None
+    offline: Callable[..., Callable] | None = None
     fallback: bool = False
     summary: str = ""  # one line for listings: what the family is
     wraps: bool = False  # its folders are another family's folder plus settings of its own (DLoop): when

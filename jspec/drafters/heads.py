@@ -92,6 +92,7 @@ from jspec.models import target as tm
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.models.layers import linear, lm_logits
 from jspec.train import drafter as train_drafter
+from jspec.verify.sampling import served_logprobs
 
 MEDUSA, HYDRA = "medusa", "hydra"
 
@@ -690,6 +691,18 @@ def train_loss(params, target_params, target_cfg, drafter: HeadDrafter, spec, ba
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
 
 
+def offline_blocks(target_params, target_cfg, drafter: HeadDrafter, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`, chains): `train_logits` of the heads used, Hydra's
+    teacher-forced on the text's path (the drafts when accepted)."""
+    hidden = tm.final_norm(target_params, target_cfg, taps[0])
+
+    def blocks(anchors):
+        logits = train_logits(dparams, drafter.cfg, target_params["embed"], hidden, tokens, anchors)
+        logits = logits[:, :, :drafter.depth]
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
 # --- registration ----------------------------------------------------------------------------------
 
 
@@ -705,10 +718,10 @@ def _example(kind: str):
 
 register_family(Family(name=MEDUSA, drafter=Medusa, detect=_is_medusa, load=load_medusa, save=save_medusa,
                        with_shape=with_shape, recipe=TrainRecipe(build=_builder(MEDUSA), loss=train_loss),
-                       example=_example(MEDUSA),
+                       example=_example(MEDUSA), offline=offline_blocks,
                        summary="Medusa heads on the target's last hidden state (config.json with medusa_num_heads)"))
 register_family(Family(name=HYDRA, drafter=Hydra, detect=lambda hf: "hydra_num_heads" in hf, load=load_hydra,
                        save=save_hydra, with_shape=with_shape,
                        recipe=TrainRecipe(build=_builder(HYDRA), loss=train_loss),
-                       example=_example(HYDRA),
+                       example=_example(HYDRA), offline=offline_blocks,
                        summary="Hydra heads conditioned on the drafted path (config.json with hydra_num_heads)"))

@@ -57,6 +57,7 @@ from jspec.models import hybrid, quant
 from jspec.models import target as tm
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, unbox
 from jspec.models.layers import linear, zc_rms_norm
+from jspec.verify.sampling import served_logprobs
 
 # The draft-model architectures of vLLM's MTP models, by the family of the target they serve: the
 # `architectures` of a saved MTP drafter's config.json (what `detect` recognises).
@@ -364,6 +365,40 @@ def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dic
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
 
 
+def offline_blocks(target_params, target_cfg, drafter: MTP, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`), as `MTP.propose` teacher-forced: one pass over
+    the text fills the module's cache rows j = 0 .. T - 2 with (h_j, x_{j+1}); slot 1 of the round anchored
+    at a is row a - 1's output; slot i + 1 runs row a - 1 + i on slot i's output and the text's x_{a+i}
+    (draft i when accepted) over that cache, in which slots 2 .. i wrote their rows."""
+    c, g = drafter.cfg, drafter.num_drafts
+    b, t = tokens.shape
+    embed = target_params["embed"]
+    hidden = tm.final_norm(target_params, target_cfg, taps[0])
+    kv = jnp.zeros((b, c.num_kv_heads, t + g, c.head_dim), hidden.dtype)  # rows up to a - 1 + g - 1 <= T + g - 2
+    pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+    out, k0, v0 = mtp_rows(dparams, c, embed, tokens[:, 1:], hidden[:, :-1], pos, kv, kv, jnp.zeros((b,), jnp.int32))
+
+    def blocks(anchors):
+        n = anchors.shape[1]
+        a = anchors.reshape(-1)
+        text = jnp.repeat(tokens, n, axis=0)
+        first = out[jnp.arange(b)[:, None], jnp.maximum(anchors - 1, 0)].reshape(b * n, -1)
+
+        def step(carry, i):
+            k, v, h = carry
+            row = a - 1 + i
+            token = jnp.take_along_axis(text, jnp.minimum(a + i, t - 1)[:, None], axis=1)
+            o, k, v = mtp_rows(dparams, c, embed, token, h[:, None], row[:, None], k, v, row)
+            return (k, v, o[:, 0]), o[:, 0]
+
+        kv0 = tuple(jnp.repeat(x, n, axis=0) for x in (k0, v0))
+        _, rest = jax.lax.scan(step, kv0 + (first,), jnp.arange(1, g))
+        states = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)  # [B A, g, D]
+        logits = tm.logits(target_params, target_cfg, states).reshape(b, n, g, -1)
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
 def _example(target) -> tuple[MTP, dict]:
     """A random MTP module for the target's shape (conformance fixtures are dense targets without one)."""
     cfg = layer_config(target.cfg)
@@ -373,5 +408,6 @@ def _example(target) -> tuple[MTP, dict]:
 
 register_family(Family(name="mtp", drafter=MTP, detect=_detect, load=load, save=save, lookup=from_target,
                        with_shape=with_shape, example=_example, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       offline=offline_blocks,
                        summary="the target's own multi-token-prediction module (mtp.* tensors of a Qwen3.5 / "
                                "Qwen3-Next checkpoint)"))

@@ -51,6 +51,7 @@ from jspec.io.drafters import read_config, write_checkpoint
 from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.models import quant
 from jspec.models.declare import shapes
+from jspec.verify.sampling import served_logprobs
 
 ARCHITECTURE = "PEagleDraftModel"  # SpecForge's draft-model class, written into config.json
 MASK_HIDDEN = "mask_hidden"  # the learned stand-in for the taps at depth > 0, [1, 1, 3 H_t]
@@ -320,7 +321,23 @@ def _example(target) -> tuple[PEagle, dict]:
     return PEagle(cfg=cfg, block_size=3, mask_token_id=tc.vocab_size - 1), params
 
 
+def offline_blocks(target_params, target_cfg, drafter: PEagle, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): `cod_logq` with every depth kept is the one pass
+    of every round (row (t, d) is slot d + 1 of the round anchored at t + 1: `eagle3.steps_as_blocks`);
+    no slot reads a draft."""
+    cfg = drafter.cfg
+    embed = dparams["embed"] if cfg.own_embedding else target_params["embed"]
+    keep = jnp.ones((drafter.num_drafts,) + tokens.shape, bool)
+    logq = cod_logq(dparams, cfg, drafter.mask_token_id, embed, taps, tokens, keep)
+    logq = eagle3.to_target(logq, eagle3.target_index(dparams["d2t"], target_cfg.vocab_size))
+
+    def blocks(anchors):
+        rows = eagle3.steps_as_blocks(logq, anchors)
+        return rows, served_logprobs(rows, sampling)
+    return blocks
+
+
 register_family(Family(name="peagle", drafter=PEagle, detect=_detect, load=_load, save=_save, with_shape=with_shape,
                        recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("d2t",), own_loss=OWN_LOSS),
-                       example=_example,
+                       example=_example, offline=offline_blocks,
                        summary="P-EAGLE (SpecForge): config.json with architectures [PEagleDraftModel]"))

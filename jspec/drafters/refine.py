@@ -51,6 +51,7 @@ from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
+from jspec.verify.sampling import served_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +209,45 @@ def edit_loss(params, target_params, target_cfg, drafter: DEdit, spec, batch: di
     return loss, train_drafter.metrics(edited, p_t, labels, mask)
 
 
+def prefix_offline(target_params, target_cfg, drafter: PrefixLoop, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): slot k's row is that of the pass that drafts it,
+    with the text's tokens revealed in its prefix (the final drafts there when they were accepted)."""
+    cfg, g = drafter.inner.cfg, drafter.num_drafts
+
+    def blocks(anchors):
+        anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+        truth = _truth(tokens, anchors, cfg.block_size)
+        logits = None
+        for j in (0,) + drafter.boundaries:
+            inputs = reveal(cfg, anchor_tok, truth, j)
+            row = _logp(dparams, target_params, target_cfg, cfg, taps, tokens, anchors, inputs)
+            logits = row if logits is None else jnp.where((jnp.arange(g) >= j)[:, None], row, logits)
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
+def edit_offline(target_params, target_cfg, drafter: DEdit, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`), greedy only: the last pass's rows read every slot of
+    the pass before it, whose discarded draws the text does not determine; greedy drafts are a function of
+    the context, so their rows are computed pass by pass as `DEdit.propose` does."""
+    if not sampling.greedy:
+        raise ValueError("the offline evaluator scores DEdit greedy only: at T > 0 its final drafts' law depends "
+                         "on the earlier passes' discarded draws, which the text does not fix; use "
+                         "SamplingParams(0.0) (or measure T > 0 with the decode loop)")
+    cfg = drafter.inner.cfg
+
+    def blocks(anchors):
+        anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+        drafts = jnp.zeros(anchors.shape + (drafter.num_drafts,), jnp.int32)
+        shown = 0  # pass 1 sees masks only; each edit pass every slot's current draft
+        for _ in range(drafter.edit_passes + 1):
+            inputs = reveal(cfg, anchor_tok, drafts, shown)
+            logits = _logp(dparams, target_params, target_cfg, cfg, taps, tokens, anchors, inputs)
+            drafts, shown = jnp.argmax(logits, axis=-1).astype(jnp.int32), drafter.num_drafts
+        return logits, served_logprobs(logits, sampling)
+    return blocks
+
+
 def _build_with(cls):
     """A recipe's build: a DFlash from the run's drafter section, wrapped with the family's settings read from
     the same section (D-Loop: boundaries; DEdit: edit_passes; the defaults where absent)."""
@@ -293,10 +333,10 @@ def _example(cls, **kw):
 register_family(Family(
     name="d-loop", drafter=PrefixLoop, detect=lambda hf: "d_loop_config" in hf, load=_loader(PrefixLoop),
     save=_saver(PrefixLoop), with_shape=with_shape, example=_example(PrefixLoop, boundaries=(1,)), wraps=True,
-    recipe=TrainRecipe(build=_build_with(PrefixLoop), loss=prefix_loss),
+    recipe=TrainRecipe(build=_build_with(PrefixLoop), loss=prefix_loss), offline=prefix_offline,
     summary="D-Loop: a DFlash folder with a d_loop_config section (prefix boundaries re-drafted)"))
 register_family(Family(
     name="dedit", drafter=DEdit, detect=lambda hf: "dedit_config" in hf, load=_loader(DEdit), save=_saver(DEdit),
     with_shape=with_shape, example=_example(DEdit, edit_passes=1), wraps=True,
-    recipe=TrainRecipe(build=_build_with(DEdit), loss=edit_loss),
+    recipe=TrainRecipe(build=_build_with(DEdit), loss=edit_loss), offline=edit_offline,
     summary="DEdit: a DFlash folder with a dedit_config section (edit passes over the whole block)"))

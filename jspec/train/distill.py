@@ -155,8 +155,9 @@ def validation_tau(dr, frozen: dict, target, cfg: dict, out_dir: str, tc: TrainC
     from jspec.train import evaluate
 
     if not evaluate.supports(dr):
-        raise ConfigError(f"train.eval_every: the offline evaluator scores chain drafters of a fixed block "
-                          f"(DFlash, DSpark, EAGLE-3), not a {type(dr).__name__}: drop eval_every from the run config")
+        raise ConfigError(f"train.eval_every: the offline evaluator scores chain drafters of families with an "
+                          f"offline reading (jspec.drafters.family.Family.offline), not this {type(dr).__name__} "
+                          f"(kind {dr.kind!r}): drop eval_every from the run config")
     dist = cfg["distill"]
     ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
     prompts = corpus_prompts(target, ds_dir, "validation", tc.eval_prompts, dist["prompt_len"], dist.get("seed", 0))

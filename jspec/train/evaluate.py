@@ -13,7 +13,9 @@ Per row, anchor a and slot k = 1..g (the draft for y_{a+k}), `RolloutStats` hold
   hits[a, k-1]      = (argmax of the drafter's logits for slot k) == y_{a+k}
 with p_j the target's served distribution of y_j after prompt + y_<j and q_{a,k} the drafter's served
 distribution for slot k of the round anchored at a, given drafts 1..k-1 equal to y_{a+1..a+k-1} (a
-parallel drafter such as DFlash ignores them; DSpark's Markov head reads the previous one).
+parallel drafter such as DFlash ignores them; DSpark's Markov head reads the previous one). Each family
+computes these rows its own way (`Family.offline`: every family with a training recipe; DEdit greedy only);
+tests/test_offline_eval.py checks each one's greedy rounds against the compiled loop's.
 
 Survival given the text, s_k = P(n >= k | the round anchored at a and the text it commits):
   greedy       s_k = prod_{i<=k} hits_i                                  (0 or 1: deterministic)
@@ -64,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters import dflash, dflash2, dspark, eagle3, peagle
+from jspec.drafters import family
 from jspec.models import target as tm
 from jspec.verify.sampling import SamplingParams, served_logprobs
 
@@ -180,51 +182,24 @@ ANCHOR_GROUP = 8  # anchors per drafter pass: the blocks' joint attention grows 
 
 
 def supports(drafter) -> bool:
-    """Whether the offline statistics cover this drafter: a chain of DFlash, DSpark or EAGLE-3 (not DFlash2's
-    selector nor P-EAGLE's masked rows, whose teacher-forced q these statistics do not compute)."""
-    return (getattr(drafter, "kind", None) == "chain" and not isinstance(drafter, (peagle.PEagle, dflash2.DFlash2))
-            and isinstance(drafter, (dflash.DFlash, dspark.DSpark, eagle3.Eagle3)))
+    """Whether the offline statistics cover this drafter: a chain of a family that says how its rounds read
+    along a text (`Family.offline`: every family with a training recipe)."""
+    if getattr(drafter, "kind", None) != "chain":
+        return False
+    try:
+        return family.family_of(drafter).offline is not None
+    except ValueError:  # a drafter class no family registers
+        return False
 
 
-def _block_logits(target_params, target_cfg, drafter, dparams, taps, tokens):
-    """anchors [B, A] -> the drafter's logits [B, A, g, V] for blocks at those anchors, teacher-forced on
-    `tokens`. EAGLE-3 (a sequential chain): step k - 1 of the training-time test at row a - 1 is slot k of
-    the round anchored at a given drafts 1..k-1 equal to the text (tests/test_eagle3.py checks the steps
-    against the chained reference), computed once for every row."""
+def _rounds(target_params, target_cfg, drafter, dparams, taps, tokens, sampling):
+    """anchors [B, A] -> the drafter's (logits, served log q) [B, A, g, V] for the rounds anchored there,
+    teacher-forced on `tokens` (its family's `offline`)."""
     if not supports(drafter):
-        raise TypeError(f"offline statistics cover chains of DFlash, DSpark and EAGLE-3 drafters, not "
+        raise TypeError(f"offline statistics cover chain drafters of families with an offline reading "
+                        f"(Family.offline: {', '.join(n for n, f in family.FAMILIES.items() if f.offline)}), not "
                         f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
-    if isinstance(drafter, eagle3.Eagle3):
-        embed = dparams["embed"] if drafter.cfg.own_embedding else target_params["embed"]
-        logq = eagle3.ttt_logq(dparams, drafter.cfg, embed, taps, tokens, drafter.num_drafts)  # [g, B, T, Vd]
-        logq = eagle3.to_target(logq, eagle3.target_index(dparams["d2t"], target_cfg.vocab_size))
-        return lambda anchors: eagle3.steps_as_blocks(logq, anchors)
-    return lambda anchors: _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors)
-
-
-def _drafter_logits(target_params, target_cfg, drafter, dparams, taps, tokens, anchors):
-    """The drafter's logits [B, A, g, V] for blocks at anchors [B, A], teacher-forced on `tokens`."""
-    if isinstance(drafter, dspark.DSpark):
-        cfg = drafter.spark
-        hid = dflash.train_hidden(dparams, cfg.backbone, dparams["embed"], taps, tokens, anchors)
-        logits = jnp.einsum("bagh,vh->bagv", hid, dparams["lm_head"], preferred_element_type=jnp.float32)
-        if cfg.markov_rank:  # slot k reads the text's y_{a+k-1} (the anchor for k = 1), its draft when accepted
-            b, a, g, _ = hid.shape
-            pos = jnp.minimum(anchors[..., None] + jnp.arange(g), tokens.shape[1] - 1)
-            prev = jnp.take_along_axis(tokens, pos.reshape(b, -1), axis=1).reshape(b * a, g)
-            flat_h = hid.reshape(b * a, g, -1)
-
-            def slot(s, k):
-                bias, _, s = dspark.markov_bias(dparams, cfg, flat_h[:, k], prev[:, k], s)
-                return s, bias
-
-            _, bias = jax.lax.scan(slot, jnp.zeros((b * a, cfg.markov_rank)), jnp.arange(g))
-            logits = logits + jnp.moveaxis(bias, 0, 1).reshape(b, a, g, -1)
-        return logits
-    if isinstance(drafter, dflash.DFlash):
-        hid = dflash.train_hidden(dparams, drafter.cfg, target_params["embed"], taps, tokens, anchors)
-        return dflash.draft_logits(target_params, target_cfg, drafter.cfg, hid)
-    raise AssertionError(type(drafter))  # `supports` admits DFlash and DSpark only here
+    return family.family_of(drafter).offline(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 7))
@@ -240,20 +215,19 @@ def _slot_stats(target_params, target_cfg, drafter, dparams, tokens, prompt_len,
     p_logp = served_logprobs(tm.logits(target_params, target_cfg, hidden), sampling)  # row t: token t + 1
     groups = -(-n // ANCHOR_GROUP)
     rows = jnp.arange(b)[:, None, None]
-    block_logits = _block_logits(target_params, target_cfg, drafter, dparams, taps, tokens)
+    rounds = _rounds(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
 
     def group(i):
         a = i * ANCHOR_GROUP + jnp.arange(ANCHOR_GROUP)
         anchors = jnp.minimum(prompt_len[:, None] + a[None], length - 1)  # [B, A] absolute index of y_a
         label_pos = jnp.minimum(anchors[..., None] + 1 + jnp.arange(g), length - 1)  # [B, A, g]
         labels = tokens[rows, label_pos]
-        logits = block_logits(anchors)
-        q_logp = served_logprobs(logits, sampling)
+        logits, q_logp = rounds(anchors)
         p_rows = p_logp[rows, label_pos - 1]  # the target's distribution of each slot's token
         lq = jnp.take_along_axis(q_logp, labels[..., None], -1)[..., 0]
         lp = jnp.take_along_axis(p_rows, labels[..., None], -1)[..., 0]
         alpha = jnp.sum(jnp.minimum(jnp.exp(p_rows), jnp.exp(q_logp)), -1)
-        return lq, lp, alpha, jnp.argmax(logits, -1) == labels
+        return lq, lp, alpha, (jnp.argmax(logits, -1) == labels) & jnp.isfinite(lq)  # -inf: not drafted
 
     out = jax.lax.map(group, jnp.arange(groups))  # each [groups, B, A, g]
     return tuple(jnp.moveaxis(x, 0, 1).reshape(b, groups * ANCHOR_GROUP, g)[:, :n] for x in out)
@@ -261,7 +235,7 @@ def _slot_stats(target_params, target_cfg, drafter, dparams, tokens, prompt_len,
 
 def rollout_stats(target, drafter, dparams, prompts: Sequence[Sequence[int]], texts: Sequence[Sequence[int]],
                   sampling: SamplingParams = SamplingParams(1.0), batch: int = 4) -> RolloutStats:
-    """RolloutStats of chain drafter `drafter` (DFlash, DSpark or EAGLE-3, with its params) along `texts` (the new
+    """RolloutStats of chain drafter `drafter` (`supports`, with its params) along `texts` (the new
     tokens y_0.. of each prompt, e.g. `jspec.generate(...).tokens`), under the served `sampling` of both
     models (greedy: only `hits` matters). `batch` texts per pass."""
     if drafter.kind != "chain":
