@@ -9,6 +9,7 @@ compiled loop on the built-in models.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -337,6 +338,11 @@ def builtin_target():
     return jspec.load_target("builtin:code-target")
 
 
+SOURCES = ("def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+           "import os\nimport sys\n\n\ndef main():\n    for name in os.listdir(")
+
+
 def _drafter(target, name: str):
     """The drafter of one family for the built-in target, with acceptance on code: the built-in drafters; the
     wrappers over the built-in DFlash; P-EAGLE over the built-in EAGLE-3's layer (its depth-0 row is EAGLE-3's
@@ -380,10 +386,7 @@ def test_greedy_matches_the_loop(builtin_target, name):
     target = builtin_target
     drafter, dparams = _drafter(target, name)
     assert evaluate.supports(drafter)
-    sources = ["def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
-               "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-               "import os\nimport sys\n\n\ndef main():\n    for name in os.listdir("]
-    prompts = [target.encode(s)[:16] for s in sources]
+    prompts = [target.encode(s)[:16] for s in SOURCES]
     assert all(len(p) == 16 for p in prompts)
     hot = SamplingParams(0.0)
     texts, loop_rounds = [], []
@@ -427,6 +430,58 @@ def test_the_evaluator_names_what_it_does_not_cover(builtin_target):
     dedit, params = _drafter(target, "dedit")
     with pytest.raises(ValueError, match="DEdit greedy only"):
         evaluate.rollout_stats(target, dedit, params, [[1, 2]], [[3, 4, 5]], SamplingParams(1.0))
+
+
+@pytest.mark.parametrize("name", ["builtin:code-dflash", "builtin:code-eagle3@5", "builtin:code-dspark",
+                                  "builtin:code-dflash2", "builtin:code-mtp@4", "peagle", "medusa", "hydra",
+                                  "dloop", "d-loop"])
+def test_sampled_rows_are_the_proposals_q(builtin_target, name):
+    """At T = 0.8 / top-p 0.95, each family's offline rows along a text that continues the prompt with the
+    drafter's own sampled drafts are the q its proposal reported for them, over the whole vocabulary: the
+    served law of every slot given the drafts before it (2 rows of the first round after the prefill;
+    DFlash2's q is the temperature only; DLoop's undrafted stages are -inf offline)."""
+    from jspec.decode import ar, spec
+    from jspec.drafters.base import DraftContext
+    from jspec.verify.rules import SAMPLE
+    from jspec.verify.sampling import SamplingParams
+
+    target = builtin_target
+    drafter, dparams = _drafter(target, name)
+    if name == "dloop":  # at these seeds the rows' first-stage sums are -27.7 and -13.5
+        drafter = dataclasses.replace(drafter, threshold=-20.0)
+    sampling = SamplingParams(0.8, top_p=0.95)
+    prompts = jnp.asarray([target.encode(s)[:16] for s in SOURCES[:2]], jnp.int32)
+    dcfg = ar.DecodeConfig(max_new_tokens=8, cache_size=64, sampling=sampling)
+
+    @jax.jit
+    def first_round(prompts, seeds):
+        state = spec.start(target.params, dparams, target.cfg, drafter, dcfg, prompts, jnp.full((2,), 16), seeds)
+        core = state.core
+        ctx = DraftContext(core.tokens, core.length, core.seeds, target.params, target_cfg=target.cfg,
+                           policy=SAMPLE, sampling=sampling, target_cache=core.cache)
+        prop, _ = drafter.propose(dparams, state.draft, ctx)
+        return core.tokens, prop
+
+    tokens, prop = first_round(prompts, jnp.asarray([5, 6], jnp.uint32))
+    g = drafter.num_drafts
+    text = jnp.concatenate([tokens[:, :17], prop.tokens], axis=1)  # prompt, the prefill's token, the drafts
+
+    @jax.jit
+    def offline(text):  # the rounds anchored at the prefill's token (index 16)
+        _, rounds = evaluate.text_rows(target.params, target.cfg, drafter, dparams, text, sampling.traced())
+        return rounds(jnp.full((2, 1), 16))[1]
+
+    logq = offline(text)
+    drafted = np.full(2, g) if prop.length is None else np.asarray(prop.length)
+    assert drafted.min() >= min(g, 4)
+    if name == "dloop":  # one row drafted its second stage, the other stopped after its first
+        assert sorted(drafted.tolist()) == [drafter.stage_drafts, g]
+    for b in range(2):
+        k = drafted[b]
+        want, got = np.asarray(prop.q_logp[b, :k]), np.asarray(logq[b, 0, :k])
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"{name} row {b}: supports")
+        np.testing.assert_allclose(np.exp(got), np.exp(want), atol=2e-3, err_msg=f"{name} row {b}")
+        assert np.all(np.isneginf(np.asarray(logq[b, 0, k:])))  # DLoop: stages it did not draft
 
 
 # --- EDR as a run's loss: blocks anchored at every position of a rollout window ------------------------------

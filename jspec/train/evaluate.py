@@ -202,20 +202,28 @@ def _rounds(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
     return family.family_of(drafter).offline(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
 
 
+def text_rows(target_params, target_cfg, drafter, dparams, tokens, sampling):
+    """One target pass over texts tokens [B, L] -> (the target's served log-probs [B, L, V], row t for token
+    t + 1; the drafter's rounds: anchors [B, A] -> (logits, served log q) [B, A, g, V], its family's
+    `offline` reading of the text). sampling: a `Served`."""
+    b, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+    hidden, _, taps, _ = tm.forward(target_params, target_cfg, tokens, positions,
+                                    tm.init_cache(target_cfg, b, length, target_params["embed"].dtype),
+                                    taps=drafter.taps, kv_chunk=None)
+    p_logp = served_logprobs(tm.logits(target_params, target_cfg, hidden), sampling)
+    return p_logp, _rounds(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 7))
 def _slot_stats(target_params, target_cfg, drafter, dparams, tokens, prompt_len, sampling, n):
     """tokens [B, L] = prompt + text (right-padded), prompt_len [B] -> log q(y), log p(y), alpha, hits
     [B, n, g] for anchors a = 0 .. n - 1 (those past a row's text read padding: masked by the caller)."""
     b, length = tokens.shape
     g = drafter.num_drafts
-    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-    hidden, _, taps, _ = tm.forward(target_params, target_cfg, tokens, positions,
-                                    tm.init_cache(target_cfg, b, length, target_params["embed"].dtype),
-                                    taps=drafter.taps, kv_chunk=None)
-    p_logp = served_logprobs(tm.logits(target_params, target_cfg, hidden), sampling)  # row t: token t + 1
+    p_logp, rounds = text_rows(target_params, target_cfg, drafter, dparams, tokens, sampling)
     groups = -(-n // ANCHOR_GROUP)
     rows = jnp.arange(b)[:, None, None]
-    rounds = _rounds(target_params, target_cfg, drafter, dparams, taps, tokens, sampling)
 
     def group(i):
         a = i * ANCHOR_GROUP + jnp.arange(ANCHOR_GROUP)
