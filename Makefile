@@ -34,10 +34,11 @@ $(VENV)-aot/.done: $(VENV)/.base
 demo: $(VENV)/.base
 	$(VENV)/bin/jspec generate
 
-# The suite runs in four worker processes (pytest-xdist, a test file per worker at a time): tiny models
-# are compile-bound and one process uses about 1.5 of the 2 cores.
+# The suite runs in four worker processes (pytest-xdist, a test file per worker at a time, the conformance
+# suite a family at a time: tests/conftest.py): tiny models are compile-bound and one process uses about 1.5
+# of the 2 cores. --durations lists the slowest tests, to keep the suite's time in view.
 test: $(VENV)/.test $(VENV)-aot/.done
-	$(PY) -m pytest -n 4 --dist loadfile
+	$(PY) -m pytest -n 4 --dist loadfile --durations=30
 
 bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop

@@ -17,6 +17,28 @@ os.environ["JSPEC_COMPILE_CACHE"] = "off"
 import pytest
 
 
+# `make test` runs the suite in pytest-xdist workers with --dist loadfile: one worker runs a whole test file, so
+# its module-scoped fixtures and compiled programs serve all its tests. The files named here are split further,
+# by the first part of their test ids (up to the last "-"): the conformance suite (every family x every check,
+# by far the longest file) runs as one unit per family, spread over the workers.
+SPLIT_BY_ID_PREFIX = ("test_conformance.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SplitFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            if os.path.basename(scope) in SPLIT_BY_ID_PREFIX and nodeid.endswith("]"):
+                return f"{scope}[{nodeid.split('[', 1)[1].rsplit('-', 1)[0]}]"
+            return scope
+
+    return SplitFiles(config, log)
+
+
 def make_hf_model(family: str, *, tie: bool = False, sliding: bool = False, rope_scaling: bool = False, seed: int = 0,
                   vocab: int = 128, layers: int = 2):
     """A tiny random transformers model with a sensitive init (large weights, random norm gains)."""
