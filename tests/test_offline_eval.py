@@ -347,7 +347,7 @@ def _drafter(target, name: str):
     """The drafter of one family for the built-in target, with acceptance on code: the built-in drafters; the
     wrappers over the built-in DFlash; P-EAGLE over the built-in EAGLE-3's layer (its depth-0 row is EAGLE-3's
     first step; the masked rows are untrained); Medusa / Hydra heads as their recipe starts them (every head
-    the target's LM head)."""
+    the target's LM head); the target as its own PARD drafter (untrained for placeholders)."""
     import jspec
     from jspec.drafters import dloop, family, peagle, refine
 
@@ -357,6 +357,8 @@ def _drafter(target, name: str):
         if block:
             drafter = family.family_of(drafter).with_shape(drafter, int(block), 0)
         return drafter, dparams
+    if name == "pard":  # the target as its own PARD drafter: its anchor rows are the target's
+        return family.get_family("pard").example(target)
     if name in ("medusa", "hydra"):
         return family.get_family(name).recipe.build({"drafter": {"num_heads": 3}}, target, jax.random.key(0))
     if name == "peagle":
@@ -372,12 +374,12 @@ def _drafter(target, name: str):
 
 
 @pytest.mark.parametrize("name", ["builtin:code-dflash", "builtin:code-eagle3@5", "builtin:code-dspark",
-                                  "builtin:code-dflash2", "builtin:code-mtp@4", "peagle", "medusa", "hydra",
+                                  "builtin:code-dflash2", "builtin:code-mtp@4", "peagle", "pard", "medusa", "hydra",
                                   "dloop", "d-loop", "dedit"])
 def test_greedy_matches_the_loop(builtin_target, name):
     """Greedy rounds from the target's text and the drafter's rows along it (its family's `offline`) equal
     the compiled loop's, row by row (3 prompts x 40 new tokens), and the texts are the plain greedy
-    decoder's: parallel blocks (DFlash, P-EAGLE), sequential chains (EAGLE-3's training-time-test steps,
+    decoder's: parallel blocks (DFlash, P-EAGLE, PARD), sequential chains (EAGLE-3's training-time-test steps,
     DSpark's Markov head, DFlash2's selector, MTP's chained module, Hydra's path), DLoop's data-dependent
     stages and the refining passes of D-Loop and DEdit."""
     import jspec
@@ -433,7 +435,7 @@ def test_the_evaluator_names_what_it_does_not_cover(builtin_target):
 
 
 @pytest.mark.parametrize("name", ["builtin:code-dflash", "builtin:code-eagle3@5", "builtin:code-dspark",
-                                  "builtin:code-dflash2", "builtin:code-mtp@4", "peagle", "medusa", "hydra",
+                                  "builtin:code-dflash2", "builtin:code-mtp@4", "peagle", "pard", "medusa", "hydra",
                                   "dloop", "d-loop"])
 def test_sampled_rows_are_the_proposals_q(builtin_target, name):
     """At T = 0.8 / top-p 0.95, each family's offline rows along a text that continues the prompt with the

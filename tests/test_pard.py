@@ -1,6 +1,8 @@
 """PARD drafter (jspec.drafters.pard): its k drafts and q are the last k rows of one evaluation of the LM
 on [committed text, k - 1 placeholders], round after round (no placeholder K/V leaks into later rounds);
-checkpoints detect as "pard" only with `pard_token`. Decoding equalities run in tests/test_conformance.py."""
+checkpoints detect as "pard" only with `pard_token`; the training pass (every anchor's round at once, with
+conditional drop-token) gives each kept row that same evaluation. Decoding equalities run in
+tests/test_conformance.py."""
 
 from __future__ import annotations
 
@@ -96,3 +98,57 @@ def test_refuses_trees_and_bad_placeholder(params):
     with pytest.raises(ValueError, match="pard_token"):
         pard.PARD(cfg=CFG, pard_token=-1).validate(CFG, params)
     assert not pard.detect({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "pard_token": True})
+
+
+# --- training ------------------------------------------------------------------------------------------------
+
+
+def test_training_rows_are_each_rounds_evaluation(params):
+    """Every kept row (a, d) of the training pass, under a random conditional drop-token keep, equals row d of a
+    fresh evaluation on x_0 .. x_a + [M] * (K - 1): what the drafter serves in the round anchored at x_a."""
+    drafter = pard.PARD(cfg=CFG, block_size=K, pard_token=M)
+    t = 12
+    tokens = jax.random.randint(jax.random.key(2), (2, t), 0, M)
+    keep = pard.sample_keep(jax.random.key(3), 2, t, depths=K)
+    got = np.asarray(jax.jit(pard.train_logp, static_argnums=1)(params, drafter, tokens, keep))  # [B, T, K, V]
+    keep = np.asarray(keep)
+    assert 0 < keep[K - 1].sum() < keep[1].sum() < 2 * t  # some rows dropped at each depth
+    checked = 0
+    for b in range(2):
+        for a in range(t):
+            want = np.asarray(_direct(params, np.asarray(tokens[b, :a + 1]), SamplingParams(1.0)))
+            for d in range(K):
+                if keep[d, b, a]:
+                    np.testing.assert_allclose(got[b, a, d], want[d], atol=2e-5, err_msg=f"row {b} anchor {a} depth {d}")
+                    checked += 1
+    assert checked == keep.sum()
+
+
+def test_the_training_recipe(params):
+    """`jspec train pard`'s build reads the run config's drafter section; its loss (default CE) has a finite value
+    and a gradient for every parameter; a rollout loss and a missing or bad placeholder are refused by name."""
+    import jspec
+    from jspec.train.distill import drafter_loss
+
+    target = jspec.Target(CFG, params)
+    fam = family.get_family("pard")
+    run = {"drafter": {"pard_token": M, "block_size": 3, "num_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+                       "head_dim": 4}, "init_std": 0.2}
+    drafter, dparams = fam.recipe.build(run, target, jax.random.key(0))
+    drafter.validate(CFG, dparams)
+    assert (drafter.block_size, drafter.cfg.num_layers, drafter.cfg.hidden_size) == (3, 1, 16)
+    tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, M)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens).at[:, :4].set(0)}
+    spec = drafter_loss({}, own=None)
+    (value, metrics), grads = jax.jit(jax.value_and_grad(
+        lambda p: fam.recipe.loss(p, params, CFG, drafter, spec, batch, jax.random.key(5)), has_aux=True))(dparams)
+    assert np.isfinite(float(value)) and 0 <= float(metrics["acc"]) <= 1
+    assert set(grads) == set(dparams)
+    for g in jax.tree_util.tree_leaves(grads):
+        assert np.isfinite(np.asarray(g)).all()
+    with pytest.raises(ValueError, match="rollout loss 'edr'"):
+        fam.recipe.loss(dparams, params, CFG, drafter, drafter_loss({"loss": "edr"}, own=None), batch, jax.random.key(5))
+    with pytest.raises(ValueError, match="pard_token 64 must be a token id"):
+        fam.recipe.build({"drafter": {"pard_token": 64}}, target, jax.random.key(0))
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        fam.recipe.build({"drafter": {"pard_token": M, "block_size": 1}}, target, jax.random.key(0))

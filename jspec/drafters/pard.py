@@ -27,8 +27,23 @@ Dense models only: a recurrent (Gated DeltaNet) drafter's state after the placeh
 state of text that is not committed. The official PARD drafters are dense Llama / Qwen models.
 
 Checkpoints: an HF causal-LM folder whose config.json carries an integer `pard_token` inside the
-vocabulary; a plain causal LM (no `pard_token`) stays the "lm" family. Training (PARD's conditional
-drop-token objective) is not provided here; convert a trained PARD checkpoint instead.
+vocabulary; a plain causal LM (no `pard_token`) stays the "lm" family.
+
+Training (`jspec train pard`; the official `pard/pard_train.py`). One pass holds k copies of the sequence:
+depth 0 the text itself, depths d = 1 .. k - 1 the placeholder m, all at the positions of the round they
+stand for. Row (a, d) is slot d + 1 of the round anchored at x_a: depth 0 is x_a at position a, depth d the
+d-th placeholder at position a + d; it sees the text up to x_a and its own round's placeholders of depth
+<= d (`peagle.depth_visible`, the layout P-EAGLE took from PARD) and predicts x_{a+d+1}, so every anchor's
+round is trained at once. Conditional drop-token (COD): depth d keeps a random subset of the anchors whose
+depth d - 1 row was kept, a fraction max(0.7^d, 0.2) (`peagle.sample_keep`; the official collator draws
+exact counts, here each anchor independently with that probability); dropped rows are neither computed as
+context nor scored, so a block's kept slots are a prefix. The loss is the run's (default "ce", PARD's
+cross-entropy on the training text, here the target's distilled continuations) over every kept slot; the
+rollout losses (EDR, Draft-OPD), which read every slot of consecutive rounds, are refused. The run's
+drafter section: `pard_token` (required: an id the tokenizer never produces), `block_size` (k, the depths
+trained and the drafts per round; default 4) and the model's shape (`num_layers`, `hidden_size`,
+`intermediate_size`, `num_heads`, `num_kv_heads`, `head_dim`; the target's where absent), or start from a
+causal LM with `--init`.
 """
 
 from __future__ import annotations
@@ -38,14 +53,18 @@ import json
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jspec.drafters import lm
 from jspec.drafters.base import DraftContext, Proposal
-from jspec.drafters.family import Family, register_family
+from jspec.drafters.family import Family, TrainRecipe, register_family
+from jspec.drafters.peagle import depth_visible, sample_keep
 from jspec.io.drafters import read_config
 from jspec.io.models import is_causal_lm
 from jspec.models import target as tm
+from jspec.models import transformer
+from jspec.verify.sampling import served_logprobs
 
 PARD_KEY = "pard_token"  # config.json, top level (AMD-AGI/PARD checkpoints; vLLM's `hf_config.pard_token`)
 
@@ -127,6 +146,85 @@ def example(target) -> tuple[PARD, Any]:
     return PARD(cfg=target.cfg, block_size=3, pard_token=target.cfg.vocab_size - 1), target.params
 
 
+# --- training ----------------------------------------------------------------------------------------------
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def _build(run: dict, target, key) -> tuple[PARD, dict]:
+    """A random PARD drafter from the run config's drafter section (module docstring)."""
+    section = run["drafter"]
+    token = section["pard_token"]
+    block = section.get("block_size", 4)
+    shape = {k: section.get(k) for k in SHAPE_KEYS}
+    if tm.is_hybrid(target.cfg):
+        raise ValueError("a PARD drafter is a dense causal LM with the target's tokenizer: train it next to a "
+                         "dense target of that tokenizer (its shape comes from the run config)")
+    for name, value in (("block_size", block), *shape.items()):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"the PARD drafter's {name} must be an int >= 1, got {value!r}")
+    if block < 2:
+        raise ValueError(f"the PARD drafter's block_size must be >= 2 (one pass drafts block_size tokens over "
+                         f"block_size - 1 placeholders), got {block}")
+    cfg = dataclasses.replace(target.cfg, **{k: v for k, v in shape.items() if v is not None},
+                              layer_types=(), sliding_window=None)
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < cfg.vocab_size:
+        raise ValueError(f"pard_token {token!r} must be a token id in [0, {cfg.vocab_size}): one the tokenizer never "
+                         "produces")
+    params = transformer.init_params(cfg, key, std=run.get("init_std", 0.02))
+    return PARD(cfg=cfg, block_size=block, pard_token=token), params
+
+
+def train_logp(params, drafter: PARD, tokens: jax.Array, keep: jax.Array) -> jax.Array:
+    """Draft log-probs [B, T, k, V]: row (a, d) of the one training pass (module docstring) over tokens [B, T],
+    keep [k, B, T] (depth 0 all kept; rows not kept hold garbage)."""
+    k, (b, t) = drafter.block_size, tokens.shape
+    cfg = drafter.cfg
+    depth = jnp.repeat(jnp.arange(k, dtype=jnp.int32), t)
+    toks = jnp.concatenate([tokens, jnp.full((b, (k - 1) * t), drafter.pard_token, tokens.dtype)], axis=1)
+    pos = jnp.broadcast_to(jnp.tile(jnp.arange(t, dtype=jnp.int32), k) + depth, (b, k * t))
+    rows = jnp.broadcast_to(jnp.arange(k * t, dtype=jnp.int32), (b, k * t))
+    hidden, _, _, _ = tm.forward(params, cfg, toks, pos, tm.init_cache(cfg, b, k * t, params["embed"].dtype),
+                                 ctx_len=jnp.zeros((b,), jnp.int32), cache_rows=rows, tree_mask=depth_visible(keep),
+                                 kv_chunk=None)
+    logp = jax.nn.log_softmax(tm.logits(params, cfg, hidden).astype(jnp.float32), axis=-1)
+    return jnp.moveaxis(logp.reshape(b, k, t, -1), 1, 2)
+
+
+def train_loss(params, target_params, target_cfg, drafter: PARD, spec, batch: dict, key: jax.Array):
+    """The run's loss over every kept slot of every anchor's round (module docstring)."""
+    from jspec.train import drafter as train_drafter
+    from jspec.train import losses
+
+    if spec.name in losses.WINDOW_LOSSES:
+        raise ValueError(f"PARD training drops slots at random (conditional drop-token), which the rollout loss "
+                         f"{spec.name!r} cannot read: use a block loss such as 'ce' (PARD's), 'kl' or 'bv'")
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    b, t = tokens.shape
+    k = drafter.block_size
+    _, target_logp = train_drafter.target_pass(target_params, target_cfg, tokens, ())
+    anchors = jnp.broadcast_to(jnp.arange(t), (b, t))
+    labels, mask, p_t = train_drafter.block_targets(k, tokens, loss_mask, target_logp, anchors,
+                                                    jnp.ones((b, t), bool))
+    keep = sample_keep(key, b, t, depths=k)
+    mask = mask * jnp.moveaxis(keep, 0, -1)  # nested keeps: a kept prefix of each block
+    draft_logp = train_logp(params, drafter, tokens, keep)
+    loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+    return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
+
+
+def offline_blocks(target_params, target_cfg, drafter: PARD, dparams, taps, tokens, sampling):
+    """The offline evaluator's rounds (`Family.offline`): the training pass with every row kept; no slot reads
+    a draft."""
+    keep = jnp.ones((drafter.block_size,) + tokens.shape, bool)
+    logp = train_logp(dparams, drafter, tokens, keep)
+
+    def blocks(anchors):
+        rows = logp[jnp.arange(tokens.shape[0])[:, None], anchors]
+        return rows, served_logprobs(rows, sampling)
+    return blocks
+
+
 register_family(Family(name="pard", drafter=PARD, detect=detect, load=load, save=save, with_shape=with_shape,
-                       example=example,
+                       example=example, recipe=TrainRecipe(build=_build, loss=train_loss), offline=offline_blocks,
                        summary="a small causal LM drafting k tokens in one pass over k - 1 `pard_token` placeholders"))

@@ -238,6 +238,17 @@ def sample_keep(key: jax.Array, batch: int, length: int, depths: int = NUM_DEPTH
     return jnp.cumprod(step.astype(jnp.int32), axis=0).astype(bool)
 
 
+def depth_visible(keep: jax.Array) -> jax.Array:
+    """[B, D T, D T] bool over rows (t, d) laid out depth-major (index d T + t), keep [D, B, T]: row (t, d) sees
+    the depth-0 rows of anchors <= t and the kept rows of its own anchor at depths 1 .. d (itself included).
+    The conditional drop-token layout of P-EAGLE and PARD (jspec.drafters.pard)."""
+    d, b, t = keep.shape
+    depth, anchor = jnp.repeat(jnp.arange(d), t), jnp.tile(jnp.arange(t), d)
+    context = (depth[None, :] == 0) & (anchor[None, :] <= anchor[:, None])
+    rollout = (depth[None, :] >= 1) & (anchor[None, :] == anchor[:, None]) & (depth[None, :] <= depth[:, None])
+    return context[None] | (rollout[None] & jnp.moveaxis(keep, 0, 1).reshape(b, 1, d * t))
+
+
 def cod_logq(params: dict, cfg: Eagle3Config, mask_token_id: int, embed, taps: jax.Array, tokens: jax.Array,
              keep: jax.Array) -> jax.Array:
     """Draft log q [D, B, T, draft_V] of every row (t, d) (module section above) over tokens [B, T] with the
@@ -252,11 +263,7 @@ def cod_logq(params: dict, cfg: Eagle3Config, mask_token_id: int, embed, taps: j
     gf = flat(g)
     q, k, v = eagle3.project(params, cfg, quant.embed_rows(embed, flat(toks)), gf,
                              flat(jnp.broadcast_to(pos, (d, b, t))))
-    qd, kd = jnp.repeat(jnp.arange(d), t), jnp.repeat(jnp.arange(d), t)  # row depths
-    qt = kt = jnp.tile(jnp.arange(t), d)  # row anchors
-    context = (kd[None, :] == 0) & (kt[None, :] <= qt[:, None])
-    rollout = (kd[None, :] >= 1) & (kt[None, :] == qt[:, None]) & (kd[None, :] <= qd[:, None])
-    visible = context[None] | (rollout[None] & flat(keep[..., None])[:, None, :, 0])  # [B, D T, D T]
+    visible = depth_visible(keep)
     c = cfg.layer
     qg = q.reshape(b, d * t, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * c.head_dim ** -0.5
