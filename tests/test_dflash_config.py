@@ -332,7 +332,21 @@ def test_a_dspark_run_selects_any_loss(target):
     assert bce > 0
     np.testing.assert_allclose(tv_h - tv, bce, rtol=1e-4)
     np.testing.assert_allclose(own_h, 0.1 * ce + 1.8 * tv + bce, rtol=1e-5)
-    for name in losses.LOSSES:
-        fn = lambda p, n=name: value(drafter, n, p)
-        v, grads = jax.jit(jax.value_and_grad(fn))(params)
-        assert np.isfinite(float(v)) and float(jnp.abs(grads["fc"]).max()) > 0, name
+    # The recipe's gradient reaches the network (one loss), and every run loss's value and gradient on the drafts
+    # and the confidences are finite and not all zero (one compile per loss of the loss part alone).
+    v, grads = jax.jit(jax.value_and_grad(lambda p: value(drafter, "kl", p)))(params)
+    assert np.isfinite(float(v)) and float(jnp.abs(grads["fc"]).max()) > 0
+    b, a, g, vocab = 2, 8, 4, target.cfg.vocab_size
+    keys = jax.random.split(jax.random.key(3), 4)
+    draft_logp = jax.nn.log_softmax(jax.random.normal(keys[0], (b, a, g, vocab)), axis=-1)
+    p_t = jax.nn.log_softmax(2 * jax.random.normal(keys[1], (b, a, g, vocab)), axis=-1)
+    labels = jax.random.randint(keys[2], (b, a, g), 0, vocab)
+    conf = jax.nn.sigmoid(jax.random.normal(keys[3], (b, a, g)))
+    mask = jnp.ones((b, a, g)).at[0, :, 3:].set(0.0)
+    for name in (dspark.OWN_LOSS,) + tuple(losses.LOSSES):
+        spec = drafter_loss({"loss": name, "num_anchors": a}, own=dspark.OWN_LOSS)
+        v, (g_logp, g_conf) = jax.jit(jax.value_and_grad(lambda x, c: dspark.run_loss(spec, x, p_t, labels, mask, c),
+                                                         argnums=(0, 1)))(draft_logp, conf)
+        assert np.isfinite(float(v)), name
+        for gr in (g_logp, g_conf):  # the drafts and the confidence head are both trained
+            assert np.isfinite(np.asarray(gr)).all() and float(jnp.abs(gr).max()) > 0, name

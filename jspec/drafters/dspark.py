@@ -314,13 +314,19 @@ def train_loss(params, target_params, target_cfg, drafter: DSpark, spec, batch: 
     elif cfg.confidence_head:
         conf = confidence(params, cfg, hidden, None)
     draft_logp = jax.nn.log_softmax(logits, axis=-1)
-    if spec.name == OWN_LOSS:
-        loss = losses.dspark_loss(draft_logp, p_t, labels, mask, conf if cfg.confidence_head else None, spec.gamma)
-    else:
-        loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
-        if cfg.confidence_head:
-            loss = loss + losses.weighted_mean(losses.confidence_bce(draft_logp, p_t, conf), mask, spec.gamma)
+    loss = run_loss(spec, draft_logp, p_t, labels, mask, conf if cfg.confidence_head else None)
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
+
+
+def run_loss(spec, draft_logp, p_t, labels, mask, conf=None):
+    """The run's loss of the drafts [B, A, g, V] (`train_loss`): DSpark's own, or a loss of losses.LOSSES plus
+    the confidence head's BCE when conf [B, A, g] is given."""
+    if spec.name == OWN_LOSS:
+        return losses.dspark_loss(draft_logp, p_t, labels, mask, conf, spec.gamma)
+    loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
+    if conf is not None:
+        loss = loss + losses.weighted_mean(losses.confidence_bce(draft_logp, p_t, conf), mask, spec.gamma)
+    return loss
 
 
 def _load(path: str, target, dtype) -> tuple[DSpark, dict]:
