@@ -60,10 +60,12 @@ def _generate(target, drafter, sampling, verifier=None, prompts=PROMPTS):
 @pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark"])
 def test_text_equals_plain_decoding(target, inners, name):
     """Greedy and Gumbel-coupled text equals plain decoding's with 1..3 stages; the gate at -inf always
-    loops (every round verifies S g drafts), at +inf never (one stage)."""
+    loops (every round verifies S g drafts), at +inf never (one stage). The gate's extremes, which do not
+    depend on the backbone, run over DFlash only (each setting is a compile of its own)."""
     inner, params = inners[name]
     plain = {t: _generate(target, None, SamplingParams(t)).tokens for t in (0.0, 1.0)}
-    for stages, threshold in [(3, -1e9), (2, 1e9), (3, -3.0)]:
+    settings = [(3, -1e9), (2, 1e9), (3, -3.0)] if name == "dflash" else [(3, -3.0)]
+    for stages, threshold in settings:
         dr = DLoop(inner=inner, stages=stages, threshold=threshold)
         for t in (0.0, 1.0):
             res = _generate(target, (dr, params), SamplingParams(t))
