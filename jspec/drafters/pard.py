@@ -42,8 +42,9 @@ cross-entropy on the training text, here the target's distilled continuations) o
 rollout losses (EDR, Draft-OPD), which read every slot of consecutive rounds, are refused. The run's
 drafter section: `pard_token` (required: an id the tokenizer never produces), `block_size` (k, the depths
 trained and the drafts per round; default 4) and the model's shape (`num_layers`, `hidden_size`,
-`intermediate_size`, `num_heads`, `num_kv_heads`, `head_dim`; the target's where absent), or start from a
-causal LM with `--init`.
+`intermediate_size`, `num_heads`, `num_kv_heads`, `head_dim`; the target's where absent); `--init` starts
+from a PARD checkpoint of that shape instead (an AR causal LM becomes one by adding `pard_token` to its
+config.json, which is how PARD adapts AR drafters).
 """
 
 from __future__ import annotations
