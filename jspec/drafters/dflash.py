@@ -536,19 +536,32 @@ def config_from_run(section: dict, target_cfg, anchor_predicts: bool) -> DFlashC
     return cfg
 
 
+def train_context(params, cfg: DFlashConfig, taps, tokens):
+    """The context K/V (per layer) of every position of tokens [B, T] from the target's taps of them."""
+    b, t = tokens.shape
+    return context_kv(params, cfg, taps, jnp.broadcast_to(jnp.arange(t), (b, t)))
+
+
+def slot_hidden(params, cfg: DFlashConfig, embed, context, tokens, anchors, inputs=None):
+    """Hidden states of the draft slots [B, A, g, H] for blocks at `anchors` [B, A] over `train_context`'s
+    context; inputs: the blocks' input tokens [B, A, W] (default: the anchor, then masks)."""
+    if inputs is None:
+        inputs = block_inputs(cfg, jnp.take_along_axis(tokens, anchors, axis=1))
+    hidden = draft_blocks(params, cfg, embed, *context, anchors, inputs)
+    return hidden if cfg.anchor_predicts else hidden[:, :, 1:]
+
+
 def train_hidden(params, cfg: DFlashConfig, embed, taps, tokens, anchors):
     """Hidden states of the draft slots [B, A, g, H] for blocks at `anchors` [B, A] (one pass)."""
-    b, t = tokens.shape
-    ctx_k, ctx_v = context_kv(params, cfg, taps, jnp.broadcast_to(jnp.arange(t), (b, t)))
-    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
-    hidden = draft_blocks(params, cfg, embed, ctx_k, ctx_v, anchors, block_inputs(cfg, anchor_tok))
-    return hidden if cfg.anchor_predicts else hidden[:, :, 1:]
+    return slot_hidden(params, cfg, embed, train_context(params, cfg, taps, tokens), tokens, anchors)
 
 
 def offline_blocks(target_params, target_cfg, drafter: DFlash, dparams, taps, tokens, sampling):
     """The offline evaluator's rounds (`Family.offline`): a block's slots do not read its own drafts."""
+    context = train_context(dparams, drafter.cfg, taps, tokens)  # once for every anchor group
+
     def blocks(anchors):
-        hid = train_hidden(dparams, drafter.cfg, target_params["embed"], taps, tokens, anchors)
+        hid = slot_hidden(dparams, drafter.cfg, target_params["embed"], context, tokens, anchors)
         logits = draft_logits(target_params, target_cfg, drafter.cfg, hid)
         return logits, served_logprobs(logits, sampling)
     return blocks

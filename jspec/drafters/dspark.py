@@ -348,9 +348,10 @@ def offline_blocks(target_params, target_cfg, drafter: DSpark, dparams, taps, to
     """The offline evaluator's rounds (`Family.offline`): slot k's Markov head reads the text's token before
     it (the anchor for k = 1), which is its draft when the drafts before it were accepted."""
     cfg = drafter.spark
+    context = dflash.train_context(dparams, cfg.backbone, taps, tokens)  # once for every anchor group
 
     def blocks(anchors):
-        hid = dflash.train_hidden(dparams, cfg.backbone, dparams["embed"], taps, tokens, anchors)
+        hid = dflash.slot_hidden(dparams, cfg.backbone, dparams["embed"], context, tokens, anchors)
         logits = jnp.einsum("bagh,vh->bagv", hid, dparams["lm_head"], preferred_element_type=jnp.float32)
         if cfg.markov_rank:
             b, a, g, _ = hid.shape

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jspec.drafters import dflash
 from jspec.drafters.base import DraftContext, Proposal, Wrapper
-from jspec.drafters.dflash import DFlash, draft_block, draft_blocks, draft_logits, draft_slots
+from jspec.drafters.dflash import DFlash, draft_block, draft_logits, draft_slots
 from jspec.drafters.family import Family, TrainRecipe, detect_config, family_of, register_family
 from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
@@ -162,11 +162,9 @@ def _setup(target_params, target_cfg, drafter, spec, batch, key):
     return cfg, tokens, taps, anchors, labels, mask, p_t, anchor_tok
 
 
-def _logp(params, target_params, target_cfg, cfg, taps, tokens, anchors, inputs):
-    b, t = tokens.shape
-    ctx_k, ctx_v = dflash.context_kv(params, cfg, taps, jnp.broadcast_to(jnp.arange(t), (b, t)))
-    hidden = draft_blocks(params, cfg, target_params["embed"], ctx_k, ctx_v, anchors, inputs)
-    slots = hidden if cfg.anchor_predicts else hidden[:, :, 1:]
+def _logp(params, target_params, target_cfg, cfg, context, tokens, anchors, inputs):
+    """Slot log-probs [B, A, g, V] of blocks with the given inputs over `dflash.train_context`'s context."""
+    slots = dflash.slot_hidden(params, cfg, target_params["embed"], context, tokens, anchors, inputs)
     return jax.nn.log_softmax(draft_logits(target_params, target_cfg, cfg, slots), axis=-1)
 
 
@@ -182,10 +180,11 @@ def prefix_loss(params, target_params, target_cfg, drafter: PrefixLoop, spec, ba
     k_anchor, k_prefix = jax.random.split(key)
     cfg, tokens, taps, anchors, labels, mask, p_t, anchor_tok = _setup(target_params, target_cfg, drafter, spec,
                                                                       batch, k_anchor)
+    context = dflash.train_context(params, cfg, taps, tokens)
     g = cfg.num_drafts
     revealed = jax.random.randint(k_prefix, anchors.shape, 0, g)
     inputs = reveal(cfg, anchor_tok, _truth(tokens, anchors, cfg.block_size), revealed)
-    draft_logp = _logp(params, target_params, target_cfg, cfg, taps, tokens, anchors, inputs)
+    draft_logp = _logp(params, target_params, target_cfg, cfg, context, tokens, anchors, inputs)
     mask = mask * (jnp.arange(g) >= revealed[..., None])
     loss = train_drafter.distribution_loss(spec, draft_logp, p_t, labels, mask)
     return loss, train_drafter.metrics(draft_logp, p_t, labels, mask)
@@ -198,12 +197,13 @@ def edit_loss(params, target_params, target_cfg, drafter: DEdit, spec, batch: di
     k_anchor, k_mix = jax.random.split(key)
     cfg, tokens, taps, anchors, labels, mask, p_t, anchor_tok = _setup(target_params, target_cfg, drafter, spec,
                                                                       batch, k_anchor)
+    context = dflash.train_context(params, cfg, taps, tokens)
     w = cfg.block_size
-    first = _logp(params, target_params, target_cfg, cfg, taps, tokens, anchors, reveal(cfg, anchor_tok, labels, 0))
+    first = _logp(params, target_params, target_cfg, cfg, context, tokens, anchors, reveal(cfg, anchor_tok, labels, 0))
     guess = jax.lax.stop_gradient(jnp.argmax(first, axis=-1)).astype(jnp.int32)
     confidence = jax.lax.stop_gradient(jnp.exp(jnp.max(first, axis=-1)))
     shown = jnp.where(jax.random.uniform(k_mix, guess.shape) < confidence, guess, labels)
-    edited = _logp(params, target_params, target_cfg, cfg, taps, tokens, anchors, reveal(cfg, anchor_tok, shown, w))
+    edited = _logp(params, target_params, target_cfg, cfg, context, tokens, anchors, reveal(cfg, anchor_tok, shown, w))
     loss = (train_drafter.distribution_loss(spec, first, p_t, labels, mask)
             + train_drafter.distribution_loss(spec, edited, p_t, labels, mask))
     return loss, train_drafter.metrics(edited, p_t, labels, mask)
@@ -213,6 +213,7 @@ def prefix_offline(target_params, target_cfg, drafter: PrefixLoop, dparams, taps
     """The offline evaluator's rounds (`Family.offline`): slot k's row is that of the pass that drafts it,
     with the text's tokens revealed in its prefix (the final drafts there when they were accepted)."""
     cfg, g = drafter.inner.cfg, drafter.num_drafts
+    context = dflash.train_context(dparams, cfg, taps, tokens)  # once for every anchor group
 
     def blocks(anchors):
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
@@ -220,7 +221,7 @@ def prefix_offline(target_params, target_cfg, drafter: PrefixLoop, dparams, taps
         logits = None
         for j in (0,) + drafter.boundaries:
             inputs = reveal(cfg, anchor_tok, truth, j)
-            row = _logp(dparams, target_params, target_cfg, cfg, taps, tokens, anchors, inputs)
+            row = _logp(dparams, target_params, target_cfg, cfg, context, tokens, anchors, inputs)
             logits = row if logits is None else jnp.where((jnp.arange(g) >= j)[:, None], row, logits)
         return logits, served_logprobs(logits, sampling)
     return blocks
@@ -235,6 +236,7 @@ def edit_offline(target_params, target_cfg, drafter: DEdit, dparams, taps, token
                          "on the earlier passes' discarded draws, which the text does not fix; use "
                          "SamplingParams(0.0) (or measure T > 0 with the decode loop)")
     cfg = drafter.inner.cfg
+    context = dflash.train_context(dparams, cfg, taps, tokens)  # once for every anchor group
 
     def blocks(anchors):
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
@@ -242,7 +244,7 @@ def edit_offline(target_params, target_cfg, drafter: DEdit, dparams, taps, token
         shown = 0  # pass 1 sees masks only; each edit pass every slot's current draft
         for _ in range(drafter.edit_passes + 1):
             inputs = reveal(cfg, anchor_tok, drafts, shown)
-            logits = _logp(dparams, target_params, target_cfg, cfg, taps, tokens, anchors, inputs)
+            logits = _logp(dparams, target_params, target_cfg, cfg, context, tokens, anchors, inputs)
             drafts, shown = jnp.argmax(logits, axis=-1).astype(jnp.int32), drafter.num_drafts
         return logits, served_logprobs(logits, sampling)
     return blocks
