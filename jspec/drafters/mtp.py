@@ -34,6 +34,11 @@ drafts need no rollback.
 
 The prompt's hidden states reach `init` as a tap of the target's last layer (PrefillInfo.taps), to which
 the drafter applies the target's final norm; the committed rows' come with CommitInfo.hidden.
+
+The same drafter runs DeepSeek-V3's layout of the module (`layout="deepseek"`, `jspec.drafters.nextn`:
+`enorm`, `hnorm`, `eh_proj`, `shared_head.*` around a decoder layer of a dense target, the module's own
+embedding and head, and the pre-norm output fed to the next depth). Only the module's rows and its head
+differ (`MTP.rows`, `MTP.head_logits`); the rounds, the commit and the training are the same.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jspec.drafters import nextn
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.errors import CheckpointError
@@ -55,6 +61,8 @@ from jspec.io.files import read_json_object
 from jspec.io.hf_hybrid import load_mtp_params, mtp_tensors
 from jspec.models import hybrid, quant
 from jspec.models import target as tm
+from jspec.models.attention import KV_CHUNK
+from jspec.models.config import ModelConfig
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, unbox
 from jspec.models.layers import linear, zc_rms_norm
 from jspec.verify.sampling import served_logprobs
@@ -63,6 +71,7 @@ from jspec.verify.sampling import served_logprobs
 # `architectures` of a saved MTP drafter's config.json (what `detect` recognises).
 ARCHITECTURES = {"qwen3_5": "Qwen3_5MTP", "qwen3_next": "Qwen3NextMTP"}
 _CAUSAL_LM = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM")}
+LAYOUTS = ("qwen", "deepseek")  # the module's tensors: Qwen3.5 / Qwen3-Next `mtp.*`, or DeepSeek-V3's (nextn.py)
 
 
 def layer_config(target_cfg) -> hybrid.HybridConfig:
@@ -139,7 +148,8 @@ def mtp_rows(params: dict, cfg: hybrid.HybridConfig, embed, tokens, hidden, posi
 
 def _architecture(cfg: hybrid.HybridConfig) -> hybrid.HybridConfig:
     """cfg without its token ids and context length (which do not change the module's computation)."""
-    return dataclasses.replace(cfg, eos_token_ids=(), bos_token_id=None, pad_token_id=None, max_position_embeddings=0)
+    ids = dict(eos_token_ids=(), bos_token_id=None, pad_token_id=None, max_position_embeddings=0)
+    return dataclasses.replace(cfg, **{k: v for k, v in ids.items() if hasattr(cfg, k)})
 
 
 @jax.tree_util.register_dataclass
@@ -153,12 +163,14 @@ class MTPState:
 
 @dataclasses.dataclass(frozen=True)
 class MTP(Drafter):
-    """cfg: the MTP layer's config (`layer_config` of the target's); target_layers: the target's layer
-    count (its last layer is tapped for the prompt's hidden states); block_size: drafts per round."""
+    """cfg: the MTP layer's config (`layer_config` of the target's, or `nextn.layer_config` for the DeepSeek
+    layout); target_layers: the target's layer count (its last layer is tapped for the prompt's hidden
+    states); block_size: drafts per round; layout: "qwen" or "deepseek" (module docstring)."""
 
-    cfg: hybrid.HybridConfig | None = None
+    cfg: hybrid.HybridConfig | ModelConfig | None = None
     target_layers: int = 0
     block_size: int = 4
+    layout: str = "qwen"
 
     @property
     def num_drafts(self) -> int:
@@ -171,10 +183,20 @@ class MTP(Drafter):
     def validate(self, target_cfg, dparams) -> None:
         if self.cfg is None:
             raise ValueError("the MTP drafter needs its layer config: MTP(cfg=layer_config(target_cfg), ...)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown MTP layout {self.layout!r}: one of {list(LAYOUTS)}")
         if self.target_layers != target_cfg.num_layers:
             raise ValueError(f"the MTP drafter was built for a target of {self.target_layers} layers, this one has "
                              f"{target_cfg.num_layers}: build it for this target (jspec.load_drafter('mtp', target))")
-        if tm.is_hybrid(target_cfg) and _architecture(self.cfg) != _architecture(layer_config(target_cfg)):
+        if self.layout == "deepseek":
+            if tm.is_hybrid(target_cfg):
+                raise ValueError("a DeepSeek-layout MTP module runs over a dense (Llama / Qwen3) target here; a "
+                                 "Qwen3.5 / Qwen3-Next target carries its own mtp.* module: "
+                                 "jspec.load_drafter('mtp', target)")
+            if _architecture(self.cfg) != _architecture(nextn.layer_config(target_cfg)):
+                raise ValueError("the DeepSeek-layout MTP module's layer differs from the target's (hidden size, "
+                                 "heads, MLP, RoPE or vocabulary): it serves only the model it was trained with")
+        elif tm.is_hybrid(target_cfg) and _architecture(self.cfg) != _architecture(layer_config(target_cfg)):
             raise ValueError("the MTP module's config differs from the target's (hidden size, heads, MLP, RoPE or "
                              "vocabulary): an MTP module serves only the model it was trained with; load it from "
                              "the target's own checkpoint (jspec.load_drafter('mtp', target))")
@@ -185,43 +207,59 @@ class MTP(Drafter):
                                  "target's hidden states and shares its embedding and LM head")
 
     def param_axes(self):
-        return logical_axes(declarations(self.cfg))
+        return logical_axes((nextn.declarations if self.layout == "deepseek" else declarations)(self.cfg))
+
+    def rows(self, dparams, target_params, tokens, hidden, positions, k, v, ctx_len, kv_chunk=KV_CHUNK):
+        """The module over T rows per batch row: tokens [B, T] (x_{i+1}), hidden [B, T, D] (h_i), at positions
+        [B, T] (also their cache rows; consecutive), over cache rows < ctx_len [B] and the rows before them in
+        this pass. Returns (o [B, T, D]: what the head reads and the next depth takes as its hidden, k, v).
+        kv_chunk: the DeepSeek layout's attention step (None: one block, for training passes)."""
+        if self.layout == "deepseek":
+            return nextn.rows(dparams, self.cfg, tokens, hidden, positions, k, v, ctx_len, kv_chunk)
+        return mtp_rows(dparams, self.cfg, target_params["embed"], tokens, hidden, positions, k, v, ctx_len)
+
+    def head_logits(self, dparams, target_params, target_cfg, o) -> jax.Array:
+        """float32 logits of module outputs o: the target's head (Qwen) or the module's shared_head (DeepSeek)."""
+        if self.layout == "deepseek":
+            return nextn.logits(dparams, self.cfg, o)
+        return tm.logits(target_params, target_cfg, o)
 
     def init(self, dparams, prefill: PrefillInfo, cache_size: int) -> MTPState:
         b, p = prefill.prompts.shape
         c = self.cfg
-        dtype = dparams["fc"].dtype
+        dtype = dparams["eh_proj" if self.layout == "deepseek" else "fc"].dtype
         kv = jnp.zeros((b, c.num_kv_heads, cache_size, c.head_dim), dtype)
         k, v = kv, kv
         hidden = tm.final_norm(prefill.target_params, prefill.target_cfg, prefill.taps[0])  # [B, P, D]
         if p > 1:  # rows 0 .. P-2: (h_i, x_{i+1}); a shorter prompt's rows past its own are overwritten later
             pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
-            _, k, v = mtp_rows(dparams, c, prefill.target_params["embed"], prefill.prompts[:, 1:],
-                               hidden[:, : p - 1], pos, k, v, jnp.zeros((b,), jnp.int32))
+            _, k, v = self.rows(dparams, prefill.target_params, prefill.prompts[:, 1:], hidden[:, : p - 1], pos, k,
+                                v, jnp.zeros((b,), jnp.int32))
         last = jnp.take_along_axis(hidden, (prefill.prompt_len - 1)[:, None, None], axis=1)  # h at the prompt's end
         pending = jnp.zeros((b, self.block_size + 1, c.hidden_size), hidden.dtype).at[:, :1].set(last)
         return MTPState(k, v, pending, prefill.prompt_len - 1)
 
     def propose(self, dparams, state: MTPState, ctx: DraftContext):
-        length, g, c = ctx.length, self.block_size, self.cfg
-        embed = ctx.target_params["embed"]
+        length, g = ctx.length, self.block_size
         # Catch up on rows fed .. length - 2 (at most g + 1; none for a row that is done), their inputs the
         # committed tokens after them; the last one's output drafts the token at index `length`.
         start, width = state.fed, g + 1
         pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
         toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos + 1, ctx.tokens.shape[1] - 1), axis=1)
         new = jnp.clip(length - 1 - start, 0, width)
-        out, k, v = mtp_rows(dparams, c, embed, toks, state.hidden, pos, state.k, state.v, start)
+        out, k, v = self.rows(dparams, ctx.target_params, toks, state.hidden, pos, state.k, state.v, start)
         last = jnp.take_along_axis(out, jnp.maximum(new - 1, 0)[:, None, None], axis=1)[:, 0]
-        first, first_logp = self.choose(ctx, tm.logits(ctx.target_params, ctx.target_cfg, last), length)
+        head = functools.partial(self.head_logits, dparams, ctx.target_params, ctx.target_cfg)
+        first, first_logp = self.choose(ctx, head(last), length)
 
-        # Depth > 1: the previous draft and, for the unknown h, the module's own output after mtp.norm, the one
-        # tensor vLLM's Qwen MTP models return for both the logits and the next step (module docstring).
+        # Depth > 1: the previous draft and, for the unknown h, the module's own output (after mtp.norm in the
+        # Qwen layout, the one tensor vLLM's Qwen MTP models return for both the logits and the next step;
+        # before shared_head.norm in DeepSeek's; module docstrings).
         def step(carry, i):
             k, v, h, token = carry
             row = (length - 2 + i)[:, None]  # draft i + 1's input row
-            o, k, v = mtp_rows(dparams, c, embed, token[:, None], h[:, None], row, k, v, row[:, 0])
-            nxt, logp = self.choose(ctx, tm.logits(ctx.target_params, ctx.target_cfg, o[:, 0]), length + i)
+            o, k, v = self.rows(dparams, ctx.target_params, token[:, None], h[:, None], row, k, v, row[:, 0])
+            nxt, logp = self.choose(ctx, head(o[:, 0]), length + i)
             return (k, v, o[:, 0], nxt), (nxt, logp if ctx.needs_q else None)
 
         (k, v, _, _), (rest, rest_logp) = jax.lax.scan(step, (k, v, last, first), jnp.arange(1, g))
@@ -245,7 +283,7 @@ class MTP(Drafter):
 
 
 def _detect(hf: dict) -> bool:
-    return any(a in ARCHITECTURES.values() for a in hf.get("architectures") or ())
+    return any(a in ARCHITECTURES.values() for a in hf.get("architectures") or ()) or nextn.is_nextn_config(hf)
 
 
 def _check_mtp_fields(hf: dict, where: str) -> None:
@@ -266,6 +304,12 @@ def _text_config(hf: dict) -> dict:
 def load(path: str, target, dtype) -> tuple[MTP, dict]:
     """A saved MTP drafter (see above); with a target, it must be the target's own module."""
     hf = read_config(path)
+    if nextn.is_nextn_config(hf):
+        cfg, n_target, params = nextn.load_folder(path, hf, dtype)
+        drafter = MTP(cfg=cfg, target_layers=n_target, layout="deepseek")
+        if target is not None:
+            drafter.validate(target.cfg, None)
+        return drafter, params
     where = os.path.join(path, "config.json")
     fam = next((f for f, a in ARCHITECTURES.items() if a in (hf.get("architectures") or ())), None)
     if fam is None:
@@ -289,17 +333,31 @@ def load(path: str, target, dtype) -> tuple[MTP, dict]:
 
 def save(path: str, drafter: MTP, params: dict, dtype=None) -> None:
     cfg = drafter.cfg
+    if drafter.layout == "deepseek":
+        return nextn.save_folder(path, cfg, drafter.target_layers, params, dtype)
     config = {**cfg.to_hf_dict(), "architectures": [ARCHITECTURES[cfg.family]], "mtp_num_hidden_layers": 1,
               "mtp_use_dedicated_embeddings": False, "num_target_layers": drafter.target_layers}
     write_checkpoint(path, config, mtp_tensors(cfg, declarations(cfg), params, dtype))
 
 
+def _nextn_layers(target) -> Any:
+    """config.json's num_nextn_predict_layers of a target folder (None without one)."""
+    path = os.path.join(target.path, "config.json") if target.path else None
+    return _text_config(read_json_object(path)).get("num_nextn_predict_layers") if path and os.path.exists(path) else None
+
+
 def from_target(target) -> tuple[MTP, dict]:
-    """The target's own MTP module, read from the `mtp.*` tensors of the target's checkpoint folder."""
+    """The target's own MTP module: the `mtp.*` tensors of a Qwen3.5 / Qwen3-Next checkpoint folder, or the
+    DeepSeek-layout layer after a dense model's own (config.json's num_nextn_predict_layers)."""
     if not tm.is_hybrid(target.cfg):
-        raise ValueError(f"the mtp drafter runs the multi-token-prediction module of Qwen3.5 / Qwen3-Next checkpoints; "
-                         f"the target {target.path!r} is a {target.cfg.family} model, which has none: pick another "
-                         "drafter")
+        if not _nextn_layers(target):
+            raise ValueError(
+                f"the mtp drafter runs the multi-token-prediction module a checkpoint carries (Qwen3.5 / Qwen3-Next "
+                f"mtp.* tensors, or a DeepSeek-layout layer that config.json's num_nextn_predict_layers declares); "
+                f"the target {target.path!r} is a {target.cfg.family} model which has none: pick another drafter")
+        cfg = nextn.layer_config(target.cfg)
+        params = nextn.load_from_target(target.path, cfg, target.cfg.num_layers, target.params["final_norm"].dtype)
+        return MTP(cfg=cfg, target_layers=target.cfg.num_layers, layout="deepseek"), params
     if target.path is None:
         raise ValueError("the mtp drafter reads the mtp.* tensors of the target's checkpoint folder, and this target "
                          "has none (target.path is None): load the target with jspec.load_target(folder), or pass "
@@ -326,12 +384,28 @@ def with_shape(drafter: MTP, block_size: int, tree_budget: int) -> MTP:
 
 
 def _build(run: dict, target, key) -> tuple[MTP, dict]:
+    """From the drafter section: block_size (drafts per round, default 4) and layout ("qwen", the default, or
+    "deepseek" over a dense target: its embedding and shared head start as copies of the target's and stay
+    frozen, as DeepSeek-V3 shares them with the model)."""
     section = run["drafter"]
     block = section.get("block_size", 4)
+    layout = section.get("layout", "qwen")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"the MTP drafter's block_size (drafts per round) must be an int >= 1, got {block!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"the MTP drafter's layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    dtype, std = target.params["final_norm"].dtype, run.get("init_std", 0.02)
+    if layout == "deepseek":
+        if tm.is_hybrid(target.cfg):
+            raise ValueError("the DeepSeek MTP layout trains over a dense (Llama / Qwen3) target; a Qwen3.5 / "
+                             "Qwen3-Next target's module has the Qwen layout: drop \"layout\" from the drafter section")
+        cfg = nextn.layer_config(target.cfg)
+        drafter = MTP(cfg=cfg, target_layers=target.cfg.num_layers, block_size=block, layout=layout)
+        params = nextn.init_params(cfg, key, dtype, std=std)
+        head = target.params["embed"] if target.cfg.tie_word_embeddings else target.params["lm_head"]
+        return drafter, {**params, "embed": target.params["embed"], "head": head}
     cfg = layer_config(target.cfg)
-    params = init_params(cfg, key, target.params["final_norm"].dtype, std=run.get("init_std", 0.02))
+    params = init_params(cfg, key, dtype, std=std)
     return MTP(cfg=cfg, target_layers=target.cfg.num_layers, block_size=block), params
 
 
@@ -349,9 +423,9 @@ def train_loss(params, target_params, target_cfg, drafter: MTP, spec, batch: dic
     c = drafter.cfg
     kv = jnp.zeros((b, c.num_kv_heads, t, c.head_dim), hidden.dtype)
     pos = jnp.broadcast_to(jnp.arange(t - 2, dtype=jnp.int32), (b, t - 2))
-    out, _, _ = mtp_rows(params, c, target_params["embed"], tokens[:, 1:-1], hidden[:, :-2], pos, kv, kv,
-                         jnp.zeros((b,), jnp.int32))
-    draft_logp = jax.nn.log_softmax(tm.logits(target_params, target_cfg, out), axis=-1)[:, :, None]
+    out, _, _ = drafter.rows(params, target_params, tokens[:, 1:-1], hidden[:, :-2], pos, kv, kv,
+                             jnp.zeros((b,), jnp.int32), kv_chunk=None)
+    draft_logp = jax.nn.log_softmax(drafter.head_logits(params, target_params, target_cfg, out), axis=-1)[:, :, None]
     labels = tokens[:, 2:, None]
     mask = (loss_mask[:, 2:, None] > 0).astype(jnp.float32)
     p_t = target_logp[:, 1:-1, None]  # the target's distribution of x_{i+2}: its output at i + 1
@@ -372,11 +446,11 @@ def offline_blocks(target_params, target_cfg, drafter: MTP, dparams, taps, token
     (draft i when accepted) over that cache, in which slots 2 .. i wrote their rows."""
     c, g = drafter.cfg, drafter.num_drafts
     b, t = tokens.shape
-    embed = target_params["embed"]
     hidden = tm.final_norm(target_params, target_cfg, taps[0])
     kv = jnp.zeros((b, c.num_kv_heads, t + g, c.head_dim), hidden.dtype)  # rows up to a - 1 + g - 1 <= T + g - 2
     pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
-    out, k0, v0 = mtp_rows(dparams, c, embed, tokens[:, 1:], hidden[:, :-1], pos, kv, kv, jnp.zeros((b,), jnp.int32))
+    out, k0, v0 = drafter.rows(dparams, target_params, tokens[:, 1:], hidden[:, :-1], pos, kv, kv,
+                               jnp.zeros((b,), jnp.int32))
 
     def blocks(anchors):
         n = anchors.shape[1]
@@ -388,13 +462,13 @@ def offline_blocks(target_params, target_cfg, drafter: MTP, dparams, taps, token
             k, v, h = carry
             row = a - 1 + i
             token = jnp.take_along_axis(text, jnp.minimum(a + i, t - 1)[:, None], axis=1)
-            o, k, v = mtp_rows(dparams, c, embed, token, h[:, None], row[:, None], k, v, row)
+            o, k, v = drafter.rows(dparams, target_params, token, h[:, None], row[:, None], k, v, row)
             return (k, v, o[:, 0]), o[:, 0]
 
         kv0 = tuple(jnp.repeat(x, n, axis=0) for x in (k0, v0))
         _, rest = jax.lax.scan(step, kv0 + (first,), jnp.arange(1, g))
         states = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)  # [B A, g, D]
-        logits = tm.logits(target_params, target_cfg, states).reshape(b, n, g, -1)
+        logits = drafter.head_logits(dparams, target_params, target_cfg, states).reshape(b, n, g, -1)
         return logits, served_logprobs(logits, sampling)
     return blocks
 
@@ -407,7 +481,8 @@ def _example(target) -> tuple[MTP, dict]:
 
 
 register_family(Family(name="mtp", drafter=MTP, detect=_detect, load=load, save=save, lookup=from_target,
-                       with_shape=with_shape, example=_example, recipe=TrainRecipe(build=_build, loss=train_loss),
+                       with_shape=with_shape, example=_example,
+                       recipe=TrainRecipe(build=_build, loss=train_loss, frozen=("embed", "head")),
                        offline=offline_blocks,
                        summary="the target's own multi-token-prediction module (mtp.* tensors of a Qwen3.5 / "
-                               "Qwen3-Next checkpoint)"))
+                               "Qwen3-Next checkpoint, or DeepSeek-V3's layout over a dense target)"))

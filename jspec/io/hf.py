@@ -5,7 +5,10 @@ declarations' `transpose` flag remains for tensors stored the other way).
 Loading never falls back to random values: every missing, unexpected, misshapen or mistyped tensor is
 collected and reported in one `CheckpointError`, a damaged file (config.json, index, safetensors) is
 one `CheckpointError` naming it, and the weights are scanned for NaN / inf once per load (on the host;
-`check_values=False` or the environment variable JSPEC_SKIP_VALUE_CHECK=1 skip the scan).
+`check_values=False` or the environment variable JSPEC_SKIP_VALUE_CHECK=1 skip the scan). The one
+exception to "nothing unexpected": the multi-token-prediction layers that config.json's
+`num_nextn_predict_layers` declares after the model's own (DeepSeek-V3's layout), which the MTP drafter
+loads as strictly (`nextn_prefixes`).
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def load_params(model_dir: str, cfg: ModelConfig | None = None, dtype=jnp.float3
     cfg = cfg or load_config(model_dir)
     expected = expected_tensors(cfg)
     found = read_safetensors(model_dir)
+    nextn = nextn_prefixes(model_dir, cfg)
+    found = {n: a for n, a in found.items() if not n.startswith(nextn)} if nextn else found
     allowed = set()
     # Some tied checkpoints also store lm_head.weight as a copy of the embedding; accept only that.
     if cfg.tie_word_embeddings and "lm_head.weight" in found and np.array_equal(
@@ -258,6 +263,17 @@ def load_params(model_dir: str, cfg: ModelConfig | None = None, dtype=jnp.float3
                   f"{cfg.num_layers} layers)", "point --target at the matching checkpoint, or correct config.json",
                   allowed, check_values=check_values)
     return cfg, assemble(found, expected, param_shapes(cfg), dtype)
+
+
+def nextn_prefixes(model_dir: str, cfg: ModelConfig) -> tuple[str, ...]:
+    """The name prefixes of the multi-token-prediction layers that a checkpoint in DeepSeek-V3's layout
+    stores after the model's own (`model.layers.{L + i}.`, i < config.json's num_nextn_predict_layers):
+    the model does not run them, and the MTP drafter (`jspec.drafters.nextn`) loads them."""
+    path = os.path.join(model_dir, "config.json")
+    n = read_json_object(path).get("num_nextn_predict_layers") if os.path.exists(path) else None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return ()
+    return tuple(f"model.layers.{cfg.num_layers + i}." for i in range(n))
 
 
 def save_params(model_dir: str, cfg: ModelConfig, params: dict, dtype=None, extra_config: dict | None = None) -> None:
