@@ -390,7 +390,9 @@ def _wrapped(target, drafter: str, args):
         raise ValueError(f"{' and '.join(asked)} each re-draft the block their own way: give one of them")
     if drafter == "none":
         raise ValueError(f"{asked[0]} re-drafts a block drafter: give --drafter (a DFlash checkpoint), or drop it")
-    inner, params = jspec.load_drafter(drafter, target, block_size=args.block_size, tree_budget=args.tree_budget)
+    loop = args.loop_stages != 1  # DLoop builds its tree over the stages: its backbone drafts chains
+    inner, params = jspec.load_drafter(drafter, target, block_size=args.block_size,
+                                       tree_budget=0 if loop else args.tree_budget)
     if args.redraft_after:
         try:
             boundaries = tuple(int(t) for t in args.redraft_after.replace(" ", "").split(","))
@@ -401,7 +403,7 @@ def _wrapped(target, drafter: str, args):
     if args.edit_passes:
         return DEdit(inner=inner, edit_passes=args.edit_passes), params
     threshold = -2.0 if args.loop_threshold is None else args.loop_threshold
-    return DLoop(inner=inner, stages=args.loop_stages, threshold=threshold), params
+    return DLoop(inner=inner, stages=args.loop_stages, threshold=threshold, tree_budget=args.tree_budget), params
 
 
 def _generate_jsonl(args, target, kw) -> int:

@@ -103,12 +103,12 @@ def test_second_stage_is_the_backbone_on_provisional_features(target, inners):
     g = inner.num_drafts
     state, ctx = _state(target, inner, params, batch=2)
     prop, state_after = DLoop(inner=inner, stages=2, threshold=-1e9).propose(params, state, ctx)
-    first, own, hidden = inner.stage(params, state, ctx)
+    first, own, hidden, _ = inner.stage(params, state, ctx)
     np.testing.assert_array_equal(np.asarray(prop.tokens[:, :g]), np.asarray(first.tokens))
     manual = dflash.write_features(params, inner.cfg, state, hidden[:, :g], ctx.length - 1,
                                    jnp.ones((2, g), bool))
     text = ctx.tokens.at[:, ctx.length[0]:ctx.length[0] + g].set(first.tokens)
-    second, _, _ = inner.stage(params, manual, dataclasses.replace(ctx, tokens=text, length=ctx.length + g,
+    second, _, _, _ = inner.stage(params, manual, dataclasses.replace(ctx, tokens=text, length=ctx.length + g,
                                                                      round_start=ctx.length))
     np.testing.assert_array_equal(np.asarray(prop.tokens[:, g:]), np.asarray(second.tokens))
     np.testing.assert_allclose(np.asarray(prop.q_logp[:, g:]), np.asarray(second.q_logp), rtol=1e-6, atol=1e-6)
@@ -124,10 +124,63 @@ def test_second_stage_is_the_backbone_on_provisional_features(target, inners):
         np.testing.assert_array_equal(np.asarray(a)[:, :ctx.length[0] - 1], np.asarray(b)[:, :ctx.length[0] - 1])
 
 
+def test_a_tree_is_one_ddtree_over_the_drafted_stages(target, inners):
+    """With a tree budget every stage drafts its argmax chain, and the tree is DDTree's over the stages'
+    per-slot marginals: stage 2's are the backbone's after stage 1's argmax chain, and a row whose gate
+    closed gets no node deeper than its first stage."""
+    from jspec.drafters import ddtree
+    from jspec.verify.rules import GREEDY
+
+    inner, params = inners["dflash"]
+    g, budget = inner.num_drafts, 10
+    state, ctx = _state(target, inner, params, batch=2)
+    # A sharper head (the drafter's logits are the target's head on its states): deep paths outscore siblings.
+    ctx = dataclasses.replace(ctx, target_params=dict(ctx.target_params, lm_head=20 * ctx.target_params["lm_head"]))
+    greedy = dataclasses.replace(ctx, policy=GREEDY)
+    first, own, hidden, m1 = inner.stage(params, state, greedy)
+    manual = dflash.write_features(params, inner.cfg, state, hidden[:, :g], ctx.length - 1, jnp.ones((2, g), bool))
+    text = ctx.tokens.at[:, ctx.length[0]:ctx.length[0] + g].set(first.tokens)
+    _, _, _, m2 = inner.stage(params, manual, dataclasses.replace(greedy, tokens=text, length=ctx.length + g,
+                                                                  round_start=ctx.length))
+    score = np.asarray(jnp.sum(own, axis=-1))
+    mid = float(np.mean(score))
+    for threshold, opened in ((-1e9, [True, True]), (mid, [s > mid for s in score])):
+        dr = DLoop(inner=inner, stages=2, threshold=threshold, tree_budget=budget)
+        assert dr.kind == "tree" and dr.num_drafts == budget and dr.max_depth == min(budget, 2 * g)
+        prop, _ = jax.jit(dr.propose)(params, state, ctx)  # ctx's policy (sampling) is overridden: argmax
+        assert prop.q_logp is None and prop.length is None
+        for b in range(2):
+            logq = jnp.concatenate([m1[b], m2[b] if opened[b] else jnp.full_like(m2[b], -jnp.inf)], axis=0)
+            want = ddtree.build_tree(jnp.where(jnp.isinf(logq), -jnp.inf, jax.nn.log_softmax(logq, -1)), budget)
+            for got, exp in zip((prop.tokens[b], prop.parent[b], prop.depth[b]), want):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+            assert (int(np.max(prop.depth[b])) > g) == opened[b]
+    assert not all(s > mid for s in score) and any(s > mid for s in score)
+    from jspec.drafters import family  # --tree-budget N on a DLoop folder: the tree over the stages
+    shaped = family.get_family("dloop").with_shape(DLoop(inner=inner, stages=2), None, budget)
+    assert shaped == DLoop(inner=inner, stages=2, tree_budget=budget)
+
+
+def test_trees_equal_plain_decoding(target, inners):
+    """A DLoop tree (2 stages, the gate always open) in the loop: greedy and Gumbel-coupled text equal plain
+    decoding's; speculative tree verification at T = 1 runs (deterministic children, finite log-probs)."""
+    inner, params = inners["dflash"]
+    dr = DLoop(inner=inner, stages=2, threshold=-1e9, tree_budget=8)
+    sharp = dataclasses.replace(target, params=dict(target.params, lm_head=20 * target.params["lm_head"]))  # deep trees
+    for t, verifier in ((0.0, "greedy"), (1.0, "gumbel")):
+        res = _generate(sharp, (dr, params), SamplingParams(t), verifier=verifier)
+        assert res.tokens == _generate(sharp, None, SamplingParams(t)).tokens, verifier
+    res = _generate(sharp, (dr, params), SamplingParams(1.0), verifier="speculative")
+    assert [len(t) for t in res.tokens] == [NEW] * len(PROMPTS)
+    assert all(np.isfinite(lp).all() for lp in res.logprobs)
+
+
 def test_bad_inner_drafters_are_refused(target, inners):
     inner, _ = inners["dflash"]
-    with pytest.raises(ValueError, match="DLoop drafts chains"):
+    with pytest.raises(ValueError, match="set DLoop's own tree_budget"):
         DLoop(inner=dataclasses.replace(inner, tree_budget=4))
+    with pytest.raises(ValueError, match="tree_budget must be an int >= 0"):
+        DLoop(inner=inner, tree_budget=-1)
     with pytest.raises(ValueError, match="stages must be an int >= 1"):
         DLoop(inner=inner, stages=0)
     from jspec.drafters.lookup import PromptLookup

@@ -329,13 +329,14 @@ class DFlash(Drafter):
 
     def stage(self, dparams, state: DFlashState, ctx: DraftContext):
         """One chain of drafts after the anchor: (Proposal, log-probs [B, g] the drafter (at temperature 1)
-        gives its own drafts, block hidden states [B, W, H]). What DLoop repeats."""
+        gives its own drafts, block hidden states [B, W, H], the per-slot logits [B, g, V] a DDTree reads).
+        What DLoop repeats."""
         hidden = self.block_hidden(dparams, state, ctx)
         logits = draft_logits(ctx.target_params, ctx.target_cfg, self.cfg, draft_slots(hidden, self.cfg))
         index = ctx.length[:, None] + jnp.arange(logits.shape[1])[None]  # draft i is written at length + i
         drafts, logp = self.choose(ctx, logits, index)
         own = log_softmax_at(logits, drafts)
-        return Proposal(drafts, logp if ctx.needs_q else None), own, hidden
+        return Proposal(drafts, logp if ctx.needs_q else None), own, hidden, logits
 
     def propose(self, dparams, state: DFlashState, ctx: DraftContext):
         if self.tree_budget:

@@ -296,7 +296,8 @@ class DFlash2(DFlash):
         return Proposal(tokens, None, parent, depth)
 
     def stage(self, dparams, state: DFlashState, ctx: DraftContext):
-        """(Proposal, the selector's log-probs at temperature 1 of the drafts [B, g], the block's states)."""
+        """(Proposal, the selector's log-probs at temperature 1 of the drafts [B, g], the block's states, the
+        backbone's per-slot logits [B, g, V])."""
         anchor, hidden, logits, block = self.slot_states(dparams, state, ctx)
         unary, ids, factors = candidates(dparams, self.dflash2, logits, hidden)
         b, g, vocab = logits.shape
@@ -325,7 +326,7 @@ class DFlash2(DFlash):
             return token, (token, row, own)
 
         _, (tokens, rows, own) = jax.lax.scan(slot, anchor, jnp.arange(g))
-        return Proposal(tokens.T, None if rows is None else jnp.moveaxis(rows, 0, 1)), own.T, block
+        return Proposal(tokens.T, None if rows is None else jnp.moveaxis(rows, 0, 1)), own.T, block, logits
 
 
 # --- checkpoints: the official format ------------------------------------------------------------------

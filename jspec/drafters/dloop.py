@@ -16,6 +16,15 @@ verification (checked by exact enumeration, tests/test_verify_chain_exact.py). G
 verification need no q. A row's stage count travels as `Proposal.length`; the verify pass runs at
 the smallest width bucket that holds the longest row.
 
+Trees (`tree_budget` N > 0, `--tree-budget N`): every stage drafts its argmax chain (the gate reads its
+log-probs as above), so the whole proposal is a function of the context, and one DDTree of N nodes
+(jspec.drafters.ddtree) is built over the per-slot marginals of the stages drafted (depth up to S g:
+stage s + 1's marginals were computed after stage s's argmax chain, the independence DDTree already
+assumes within a block; a row whose gate closed gets no node past its last stage). The backbone's own
+marginals are read (DFlash's logits, DSpark's unary head, DFlash2's backbone logits: DFlash2's own tree
+follows its selector, which a stage-crossing tree does not). Children are fixed choices, verified by
+the tree rules for deterministic children.
+
 Provisional features never become context: they are written into the drafter's context cache at
 rows the round's commit rewrites from the target's own taps before any later block may read them
 (a block reads rows strictly before its anchor, and every row before the next anchor is committed).
@@ -41,7 +50,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters import dflash
+from jspec.drafters import ddtree, dflash
 from jspec.drafters.base import DraftContext, Proposal, Wrapper
 from jspec.drafters.dflash import DFlash, write_features
 from jspec.drafters.family import Family, TrainRecipe, detect_config, family_of, register_family
@@ -50,6 +59,7 @@ from jspec.io.drafters import read_config
 from jspec.models.attention import write_block
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
+from jspec.verify.rules import GREEDY
 from jspec.verify.sampling import served_logprobs
 
 
@@ -58,13 +68,17 @@ class DLoop(Wrapper):
     # inner: a chain block drafter with `stage` (DFlash, DFlash2, DSpark)
     stages: int = 2  # S: at most this many stages per round
     threshold: float = -2.0  # another stage while the last stage's summed drafter log-prob exceeds this
+    tree_budget: int = 0  # N > 0: one DDTree of N nodes over the drafted stages (module docstring)
 
     def __post_init__(self):
         if self.inner is None or not hasattr(self.inner, "stage"):
             raise ValueError(f"DLoop drafts in stages of a block drafter (DFlash, DFlash2, DSpark), not "
                              f"{type(self.inner).__name__}")
         if self.inner.kind != "chain":
-            raise ValueError("DLoop drafts chains: give it a block drafter without a tree budget")
+            raise ValueError("DLoop drafts in chains of its backbone: give it a block drafter without a tree budget "
+                             "and set DLoop's own tree_budget for a tree over the stages")
+        if isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+            raise ValueError(f"DLoop tree_budget must be an int >= 0, got {self.tree_budget!r}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ValueError(f"DLoop stages must be an int >= 1, got {self.stages!r}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
@@ -75,13 +89,24 @@ class DLoop(Wrapper):
         return self.inner.num_drafts
 
     @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "tree" if self.tree_budget else "chain"
+
+    @property
     def num_drafts(self) -> int:
-        return self.stages * self.stage_drafts
+        return self.tree_budget or self.stages * self.stage_drafts
+
+    @property
+    def max_depth(self) -> int:
+        depth = self.stages * self.stage_drafts
+        return min(self.tree_budget, depth) if self.tree_budget else depth
 
     def propose(self, dparams, state, ctx: DraftContext):
         g, b = self.stage_drafts, ctx.length.shape[0]
-        prop, own, hidden = self.inner.stage(dparams, state, ctx)
-        tokens, rows = [prop.tokens], [prop.q_logp]
+        if self.tree_budget:  # argmax chains: the tree's children are fixed choices
+            ctx = dataclasses.replace(ctx, policy=GREEDY)
+        prop, own, hidden, marginals = self.inner.stage(dparams, state, ctx)
+        tokens, rows, logits, drafted = [prop.tokens], [prop.q_logp], [marginals], [jnp.ones((b,), bool)]
         length = jnp.full((b,), g, jnp.int32)
         go = jnp.sum(own, axis=-1) > self.threshold
         text = ctx.tokens
@@ -94,17 +119,24 @@ class DLoop(Wrapper):
             stage_ctx = dataclasses.replace(ctx, tokens=text, length=ctx.length + s * g, round_start=ctx.noise_start)
 
             def draft(stage_ctx=stage_ctx, state=state):
-                p, o, h = self.inner.stage(dparams, state, stage_ctx)
-                return p.tokens, p.q_logp, o, h
+                p, o, h, m = self.inner.stage(dparams, state, stage_ctx)
+                return p.tokens, p.q_logp, o, h, m
 
             def skip():  # no row goes on: padding, never verified
                 return jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(draft))
 
-            new_tokens, new_rows, own, hidden = jax.lax.cond(jnp.any(go), draft, skip)
+            new_tokens, new_rows, own, hidden, marginals = jax.lax.cond(jnp.any(go), draft, skip)
             tokens.append(new_tokens)
             rows.append(new_rows)
+            logits.append(marginals)
+            drafted.append(go)
             length = jnp.where(go, length + g, length)
             go = go & (jnp.sum(own, axis=-1) > self.threshold)
+        if self.tree_budget:
+            logq = jnp.concatenate([jnp.where(d[:, None, None], jax.nn.log_softmax(m.astype(jnp.float32), axis=-1),
+                                              -jnp.inf) for m, d in zip(logits, drafted)], axis=1)
+            tree, parent, depth = jax.vmap(lambda lq: ddtree.build_tree(lq, self.tree_budget))(logq)
+            return Proposal(tree, None, parent, depth), state
         q = None if rows[0] is None else jnp.concatenate(rows, axis=1)
         return Proposal(jnp.concatenate(tokens, axis=1), q, length=length), state
 
@@ -144,9 +176,9 @@ def _save(path: str, drafter: DLoop, params: dict, dtype=None) -> None:
 
 
 def with_shape(drafter: DLoop, block_size: int, tree_budget: int) -> DLoop:
-    if tree_budget:
-        raise ValueError("DLoop drafts chains of stages: leave the tree budget at 0")
-    return dataclasses.replace(drafter, inner=family_of(drafter.inner).with_shape(drafter.inner, block_size, 0))
+    """The backbone at `block_size` (a chain per stage); a tree budget builds one DDTree over the stages."""
+    inner = family_of(drafter.inner).with_shape(drafter.inner, block_size, 0)
+    return dataclasses.replace(drafter, inner=inner, tree_budget=tree_budget)
 
 
 # --- loop-aware training ----------------------------------------------------------------------------------

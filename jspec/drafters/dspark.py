@@ -201,7 +201,8 @@ class DSpark(DFlash):
 
     def stage(self, dparams, state: DFlashState, ctx: DraftContext):
         """(Proposal, the corrected (Markov) log-probs at temperature 1 of the drafts [B, g], the block's
-        states [B, g, H]: the anchor slot predicts, so every slot is a draft slot)."""
+        states [B, g, H]: the anchor slot predicts, so every slot is a draft slot; the unary logits
+        [B, g, V] its DDTree reads)."""
         hidden, unary, anchor = self.backbone(dparams, state, ctx)
         cfg = self.spark
         b, g, _ = hidden.shape
@@ -220,7 +221,7 @@ class DSpark(DFlash):
         s0 = jnp.zeros((b, max(cfg.markov_rank, 1)), jnp.float32)
         _, (tokens, logp, conf, own) = jax.lax.scan(slot, (anchor, s0), jnp.arange(g))
         q = None if logp is None else jnp.moveaxis(logp, 0, 1)
-        return Proposal(tokens.T, q, confidence=conf.T), own.T, hidden
+        return Proposal(tokens.T, q, confidence=conf.T), own.T, hidden, unary
 
 
 # --- checkpoints: the DeepSpec format ------------------------------------------------------------------
