@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mtp_helpers import drafts_follow_the_reference_across_commits, loss_follows_the_reference
 from safetensors.numpy import load_file, save_file
 
 import jspec
 from jspec.drafters import family, mtp
-from jspec.drafters.base import CommitInfo, DraftContext, PrefillInfo
+from jspec.drafters.base import DraftContext
 from jspec.errors import CheckpointError
-from jspec.models import target as tm
 from jspec.verify.rules import SAMPLE
 from jspec.verify.sampling import SamplingParams
 
@@ -150,40 +150,9 @@ def test_drafts_equal_the_reference_module_across_commits(targets, fam):
     (chained on the module's own pre-norm output) equal the float64 reference, after commits of 1, 2 and 3
     tokens and for a row whose prompt is shorter than the padded batch."""
     target = targets[fam]
-    cfg, params = target.cfg, target.params
     dr, dparams = jspec.load_drafter("mtp", target, block_size=2)
-    assert isinstance(dr, mtp.MTP) and dr.layout == "deepseek" and dr.num_drafts == 2
-    ref = Reference(target)
-    rng = np.random.RandomState(1)
-    s, p = 40, 9
-    seq = rng.randint(3, cfg.vocab_size, (2, s)).astype(np.int32)
-    lens = np.array([9, 6], np.int32)
-    full = tm.forward(params, cfg, jnp.asarray(seq), jnp.broadcast_to(jnp.arange(s), (2, s)),
-                      tm.init_cache(cfg, 2, s))[0]
-    hidden = np.asarray(full, np.float64)
-
-    prompts = jnp.asarray(np.where(np.arange(p)[None] < lens[:, None], seq[:, :p], 0))
-    taps = tm.forward(params, cfg, prompts, jnp.broadcast_to(jnp.arange(p), (2, p)), tm.init_cache(cfg, 2, p),
-                      taps=dr.taps, lengths=jnp.asarray(lens))[2]
-    state = dr.init(dparams, PrefillInfo(prompts, jnp.asarray(lens), taps, target_params=params, target_cfg=cfg), s)
-    propose, commit = jax.jit(dr.propose), jax.jit(dr.commit)
-    length = lens + 1
-    for kept in [np.array([1, 3]), np.array([3, 2]), np.array([2, 1]), None]:
-        ctx = DraftContext(jnp.asarray(seq), jnp.asarray(length), jnp.array([3, 4], jnp.uint32), params,
-                           target_cfg=cfg, policy=SAMPLE, sampling=SamplingParams(1.0))
-        prop, state = propose(dparams, state, ctx)
-        drafts, q = np.asarray(prop.tokens), np.asarray(prop.q_logp)
-        for b in range(2):
-            want = ref.chain_logp(seq[b], hidden[b], int(length[b]), drafts[b])
-            np.testing.assert_allclose(q[b], want, atol=2e-4, err_msg=f"{fam} row {b} length {length[b]}")
-        if kept is None:
-            break
-        new = length + kept
-        rows = (length - 1)[:, None] + np.arange(3)[None]
-        info = CommitInfo(jnp.asarray(seq), jnp.asarray(length), jnp.asarray(new), None,
-                          jnp.asarray(np.take_along_axis(hidden, rows[..., None], axis=1), jnp.float32))
-        state = commit(dparams, state, info)
-        length = new
+    assert isinstance(dr, mtp.MTP) and dr.layout == "deepseek"
+    drafts_follow_the_reference_across_commits(target, dr, dparams, Reference(target).chain_logp, fam)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -281,18 +250,8 @@ def test_training_scores_each_row_on_the_token_after_next(targets):
 
     dr, dparams = jspec.load_drafter("mtp", target)
     ref = Reference(target)
-    t = 14
-    seq = np.random.RandomState(4).randint(3, target.cfg.vocab_size, (1, t)).astype(np.int32)
-    loss_mask = np.ones((1, t), np.float32)
-    loss_mask[:, :5] = 0
-    batch = {"tokens": jnp.asarray(seq), "loss_mask": jnp.asarray(loss_mask)}
-    fn = lambda p: mtp.train_loss(p, target.params, target.cfg, dr, DrafterLoss("ce"), batch, jax.random.key(0))
-    (loss, _), grads = jax.value_and_grad(fn, has_aux=True)(dparams)
-    hidden = np.asarray(tm.forward(target.params, target.cfg, jnp.asarray(seq), jnp.arange(t)[None],
-                                   tm.init_cache(target.cfg, 1, t))[0], np.float64)[0]
-    logp = ref.logp(ref.outputs(list(seq[0, 1:-1]), hidden[:-2]))
-    nll = -logp[np.arange(t - 2), seq[0, 2:]]
-    np.testing.assert_allclose(float(loss), nll[loss_mask[0, 2:] > 0].mean(), rtol=2e-4)
+    rows_logp = lambda tokens, hidden: ref.logp(ref.outputs(tokens, hidden))
+    _, grads, *_ = loss_follows_the_reference(target, dr, dparams, rows_logp, DrafterLoss("ce"))
     assert float(jnp.abs(grads["eh_proj"]).max()) > 0
     assert max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(grads["layer"])) > 0
 
