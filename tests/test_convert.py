@@ -291,6 +291,28 @@ def test_a_drafter_init_that_does_not_fit_is_refused_before_distillation(drafter
         distill.train_drafter("dspark", path, target_dir, str(tmp_path / "out"), progress=False, init=str(start))
 
 
+def test_a_wrapping_family_starts_from_its_backbones_checkpoint(drafter_runs, work, tmp_path, initial_params):
+    """`jspec train d-loop --init DFLASH_DIR`: a D-Loop fine-tune starts from a trained DFlash checkpoint, bit for
+    bit; a checkpoint of a family it does not wrap is refused naming both."""
+    _, run = drafter_runs("dflash")
+    start = tmp_path / "start"
+    export.export_run(run, str(start), step=2)
+    target_dir = os.path.join(str(work), "target-run", "model")
+    new = tmp_path / "new"
+    new.mkdir()
+    shutil.copy(os.path.join(run, "distilled.npz"), new / "distilled.npz")  # skips distillation
+    path = _write(tmp_path / "dloop.json", _drafter_config(str(work / "corpus"), "dflash", boundaries=[2]))
+    initial_params.clear()
+    distill.train_drafter("d-loop", path, target_dir, str(new), steps=1, progress=False, init=str(start))
+    _assert_same(initial_params[0], export.restore_run(run, step=2).params)
+    _, spark = drafter_runs("dspark")
+    other = tmp_path / "spark"
+    export.export_run(spark, str(other), step=2)
+    with pytest.raises(CheckpointError, match=r"is a dspark checkpoint .*starts from a d-loop checkpoint or of the "
+                                              r"dflash drafter it wraps"):
+        distill.train_drafter("d-loop", path, target_dir, str(tmp_path / "out"), progress=False, init=str(other))
+
+
 # --- what convert refuses, and what it survives ---------------------------------------------------------------
 
 

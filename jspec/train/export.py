@@ -394,8 +394,9 @@ def _mismatch(what: str, path: str, problems: list[str], fix: str) -> Checkpoint
 
 def init_drafter_params(family_name: str, drafter, params: dict, path: str, target) -> dict:
     """The parameters of the official checkpoint at `path` as the start of a run whose config built
-    (`drafter`, `params`) (jspec.train.distill.build_drafter): its family, every config field and every
-    tensor's shape and dtype must be the run's (CheckpointError naming each that is not). The trained tensors
+    (`drafter`, `params`) (jspec.train.distill.build_drafter): its family (or, for a wrapping family, the
+    family of the drafter it wraps), every config field and every tensor's shape and dtype must be the
+    run's (CheckpointError naming each that is not). The trained tensors
     are the file's bit for bit; the frozen copies of the target (TrainRecipe.frozen) stay the target's, as in
     every run, and the file's must equal them (up to the file's 16-bit storage)."""
     from jspec.drafters import family
@@ -403,12 +404,20 @@ def init_drafter_params(family_name: str, drafter, params: dict, path: str, targ
     path = _init_folder(path)
     fam = family.get_family(family_name)
     found_fam = family.detect(path)
-    if found_fam.name != fam.name:
+    # A wrapping family (DLoop, D-Loop, DEdit) also starts from a checkpoint of the drafter it wraps: a
+    # trained backbone fine-tuned for the wrapper's way of drafting.
+    backbone = fam.wraps and found_fam.name == family.family_of(drafter.inner).name
+    if found_fam.name != fam.name and not backbone:
+        wrapped = f" or of the {family.family_of(drafter.inner).name} drafter it wraps" if fam.wraps else ""
         raise CheckpointError(f"init checkpoint {path!r} is a {found_fam.name} checkpoint ({found_fam.summary}): "
-                              f"`jspec train {fam.name} --init` starts from a {fam.name} checkpoint")
+                              f"`jspec train {fam.name} --init` starts from a {fam.name} checkpoint{wrapped}")
     leaves = jax.tree_util.tree_leaves(params)
     dtype = leaves[0].dtype if leaves else jnp.float32
-    found_dr, found = fam.load(path, target, dtype)
+    if backbone:
+        found_inner, found = found_fam.load(path, target, dtype)
+        found_dr = dataclasses.replace(drafter, inner=found_inner)
+    else:
+        found_dr, found = fam.load(path, target, dtype)
     problems = config_differences(found_dr, drafter, "drafter", ignore=_DRAFTER_IGNORED)
     problems += tensor_differences(found, params)
     frozen = tuple(fam.recipe.frozen) if fam.recipe is not None else ()
