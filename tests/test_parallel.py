@@ -307,8 +307,10 @@ def _script_env(**extra) -> dict:
 
 def test_eight_devices_shard_generation_and_training_exactly(tmp_path):
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    # The limit only guards against a hang: the script takes ~95 s alone and 180-240 s beside the rest of the
+    # suite on 2 cores.
     out = subprocess.run([sys.executable, __file__, "eight-devices", str(tmp_path)], env=_script_env(XLA_FLAGS=flags),
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     for name in ("lookup-greedy", "dflash-gumbel"):
