@@ -3,9 +3,14 @@ tests/test_mtp_deepseek.py: DeepSeek-V3's): each test file brings its own float6
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from jspec.drafters import mtp
 from jspec.drafters.base import CommitInfo, DraftContext, PrefillInfo
@@ -68,3 +73,19 @@ def loss_follows_the_reference(target, dr, dparams, rows_logp, loss, t: int = 14
     nll = -logp[np.arange(t - 2), seq[0, 2:]]
     np.testing.assert_allclose(float(value), nll[loss_mask[0, 2:] > 0].mean(), rtol=2e-4)
     return value, grads, seq, loss_mask, logp
+
+
+def extended_checkpoint(src: str, dst: str, weights, config: dict | None = None, edit=None) -> str:
+    """A copy of checkpoint folder `src` at `dst` with `config` merged into its config.json and the tensors
+    weights(config dict) added (then edited in place by `edit`)."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    hf = {**json.loads(open(path).read()), **(config or {})}
+    if config:
+        open(path, "w").write(json.dumps(hf))
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    tensors.update(weights(hf))
+    if edit:
+        edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jspec
 from hybrid_helpers import FAMILIES, checkpoint
-from mtp_helpers import drafts_follow_the_reference_across_commits, loss_follows_the_reference
+from mtp_helpers import drafts_follow_the_reference_across_commits, extended_checkpoint, loss_follows_the_reference
 from jspec.drafters import family
 from jspec.drafters.mtp import MTP, declarations, layer_config
 from jspec.errors import CheckpointError
@@ -59,14 +59,7 @@ def _mtp_weights(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _copy(fam: str, dst: str, edit=None) -> str:
     """The tiny transformers checkpoint of `fam` with `mtp.*` tensors added (then edited by `edit`)."""
-    shutil.copytree(checkpoint(fam)[0], dst)
-    hf = json.loads(open(os.path.join(dst, "config.json")).read())
-    tensors = load_file(os.path.join(dst, "model.safetensors"))
-    tensors.update(_mtp_weights(hf))
-    if edit:
-        edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    return extended_checkpoint(checkpoint(fam)[0], dst, _mtp_weights, edit=edit)
 
 
 @pytest.fixture(scope="module")

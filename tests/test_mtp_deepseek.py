@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mtp_helpers import drafts_follow_the_reference_across_commits, loss_follows_the_reference
-from safetensors.numpy import load_file, save_file
+from mtp_helpers import drafts_follow_the_reference_across_commits, extended_checkpoint, loss_follows_the_reference
+from safetensors.numpy import load_file
 
 import jspec
 from jspec.drafters import family, mtp
@@ -53,17 +52,7 @@ def _nextn_weights(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _copy(src: str, dst: str, edit=None) -> str:
     """The transformers checkpoint `src` with a DeepSeek-layout MTP layer added (then edited by `edit`)."""
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "config.json")
-    hf = json.loads(open(path).read())
-    hf["num_nextn_predict_layers"] = 1
-    open(path, "w").write(json.dumps(hf))
-    tensors = load_file(os.path.join(dst, "model.safetensors"))
-    tensors.update(_nextn_weights(hf))
-    if edit:
-        edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    return extended_checkpoint(src, dst, _nextn_weights, {"num_nextn_predict_layers": 1}, edit)
 
 
 @pytest.fixture(scope="module")
