@@ -38,7 +38,7 @@ def _compiled_passes(cache_size: int):
     params = transformer.init_params(CFG, jax.random.key(0))
     cache = tm.init_cache(CFG, BATCH, cache_size)
     pos = jnp.broadcast_to(CONTEXT + jnp.arange(WIDTH, dtype=jnp.int32), (BATCH, WIDTH))
-    run = profile._timed_passes(CFG)  # the profiler's loop of verify passes, weights and cache as arguments
+    run = profile.timed_passes(CFG)  # the profiler's loop of verify passes, weights and cache as arguments
     return params, cache, run.lower(params, cache, jnp.zeros((BATCH, WIDTH), jnp.int32), pos).compile()
 
 
@@ -228,7 +228,7 @@ def test_hybrid_verify_passes_copy_no_weight_and_no_cache_buffer(kind):
     (work, not a copy), and the commit gathers one of the pass's per-position states."""
     params, cache, tokens, pos = _hybrid_inputs(1024)
     if kind == "chain":
-        run = profile._timed_passes(HCFG)
+        run = profile.timed_passes(HCFG)
     else:
         run, pos = _hybrid_tree_passes()
     module = parse_module(run.lower(params, cache, tokens, pos).compile().as_text())

@@ -97,9 +97,16 @@ def test_rates_and_speedup_are_consistent(bench):
         assert sp["noisy_repeats"] == sum(1 for a, s in pairs if a <= 0 or s <= 0)
         if sp["noisy_repeats"] == 0:
             assert sp["repeats"]["min"] * (1 - 1e-9) <= sp["value"] <= sp["repeats"]["max"] * (1 + 1e-9)
+        # The round's cost split is timed in the same repeats as the round itself; its shares sum to 1.
         cost = c["cost"]
-        assert cost["c"] == pytest.approx(cost["draft_s"] / rep["verify_curve"]["seconds"][0])
-        assert cost["loop_overhead"] == pytest.approx(1 - (cost["verify_s"] + cost["draft_s"]) / cost["round_s"])
+        assert cost["repeats"] == rep["settings"]["repeats"]
+        assert cost["verify_share"] == pytest.approx(cost["verify_s"] / cost["round_s"])
+        assert cost["draft_share"] == pytest.approx(cost["draft_s"] / cost["round_s"])
+        assert cost["verify_share"] + cost["draft_share"] + cost["overhead_share"] == pytest.approx(1.0)
+        assert cost["draft_s"] > 0 and cost["target_step_s"] > 0 and cost["c"] > 0
+        lo, hi = cost["overhead_share_repeats"]["min"], cost["overhead_share_repeats"]["max"]
+        assert lo <= hi and all(abs(x) < 10 for x in (lo, hi))
+    assert rep["ar"][0]["cost"]["c"] is None and rep["ar"][0]["cost"]["draft_share"] == 0.0
 
 
 def test_verify_curve_and_roofline(bench):
@@ -124,6 +131,30 @@ def test_peer_side_by_side(bench):
     # Same weights, greedy: transformers' plain decoding agrees with jspec's on the tiny model.
     assert peer["hf"]["ar"]["agreement_with_jspec_ar"] == 1.0
     assert peer["jspec"]["small_lm"]["agreement_with_jspec_ar"] == 1.0
+
+
+def test_pooled_ratio_interval():
+    # Every repeat at the same ratio: every resample's pooled ratio is that ratio.
+    assert metrics.pooled_ratio_interval([(2.0, 1.0), (4.0, 2.0), (3.0, 1.5), (1.0, 0.5), (6.0, 3.0)]) == {
+        "low": 2.0, "high": 2.0, "level": 0.95, "method": "percentile bootstrap over 5 repeats, 2000 resamples, seed 0"}
+    pairs = [(1.0 + 0.1 * i, 1.0) for i in range(8)]  # ratios 1.0 .. 1.7, pooled 1.35
+    ci = metrics.pooled_ratio_interval(pairs)
+    assert 1.0 <= ci["low"] < 1.35 < ci["high"] <= 1.7
+    assert metrics.pooled_ratio_interval(pairs) == ci  # fixed seed: the same interval every time
+    assert metrics.pooled_ratio_interval(pairs[:4]) is None  # too few repeats for a bootstrap
+    # speedup() leaves repeats with a non-positive decode time out of the interval as out of the spread.
+    ar = metrics.decode_timing([[2.0]] * 5 + [[0.1]], [[1.0]] * 5 + [[0.2]], [[9]] * 6)
+    sp_ = metrics.decode_timing([[1.5]] * 6, [[1.0]] * 6, [[9]] * 6)
+    sp = metrics.speedup(ar, sp_)
+    assert sp["noisy_repeats"] == 1 and sp["ci95"]["low"] == sp["ci95"]["high"] == 2.0
+
+
+def test_round_costs_by_hand():
+    cost = metrics.round_costs([1.0, 1.2, 0.9], [0.5, 0.6, 0.4], [0.2, 0.3, 0.2], [0.25, 0.3, 0.2])
+    assert (cost["round_s"], cost["verify_s"], cost["draft_s"], cost["target_step_s"]) == (1.0, 0.5, 0.2, 0.25)
+    assert cost["c"] == pytest.approx(1.0)  # per repeat 0.2/0.25, 0.3/0.3, 0.2/0.2: the median of 0.8, 1.0, 1.0
+    assert cost["verify_share"] + cost["draft_share"] + cost["overhead_share"] == pytest.approx(1.0)
+    assert cost["overhead_share_repeats"]["min"] == pytest.approx(0.25)
 
 
 def test_acceptance_metrics_by_hand():

@@ -8,6 +8,7 @@ sum of time, never a mean of ratios.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 
@@ -73,19 +74,46 @@ def decode_timing(call_s: Sequence[Sequence[float]], prefill_s: Sequence[Sequenc
 
 def speedup(ar: dict, spec: dict) -> dict:
     """Plain-AR decode time / speculative decode time of the same run (both `decode_timing` records over
-    the same prompts and repeats); per-repeat ratios give the spread.
+    the same prompts and repeats); per-repeat ratios give the spread, and `ci95` a 95% interval of the
+    pooled ratio (`pooled_ratio_interval`, None below MIN_CI_REPEATS usable repeats).
 
     decode = call - prefill, with the prefill timed in a call of its own, so on a busy machine a short
     repeat can come out at <= 0 s. Such a repeat has no meaningful ratio: it is left out of the spread
-    and counted in `noisy_repeats` (the report marks the row); with none, the pooled value lies inside
-    the per-repeat range (a ratio of sums of positive times is a mediant of the per-repeat ratios).
+    and the interval and counted in `noisy_repeats` (the report marks the row); with none, the pooled
+    value lies inside the per-repeat range (a ratio of sums of positive times is a mediant of the
+    per-repeat ratios).
     """
     pairs = [(sum(a), sum(s)) for a, s in zip(_decode(ar["call_s"], ar["prefill_s"]),
                                               _decode(spec["call_s"], spec["prefill_s"]))]
-    per_repeat = [a / s for a, s in pairs if a > 0 and s > 0]
+    usable = [(a, s) for a, s in pairs if a > 0 and s > 0]
+    per_repeat = [a / s for a, s in usable]
     return {"value": ar["decode_s_total"] / spec["decode_s_total"], "ar_decode_s": ar["decode_s_total"],
             "decode_s": spec["decode_s_total"], "repeats": spread(per_repeat) if per_repeat else None,
-            "noisy_repeats": len(pairs) - len(per_repeat)}
+            "ci95": pooled_ratio_interval(usable), "noisy_repeats": len(pairs) - len(usable)}
+
+
+MIN_CI_REPEATS = 5
+CI_RESAMPLES = 2000
+
+
+def pooled_ratio_interval(pairs: Sequence[tuple[float, float]], level: float = 0.95, resamples: int = CI_RESAMPLES,
+                          seed: int = 0) -> dict | None:
+    """Percentile-bootstrap interval of the pooled ratio sum(a) / sum(s) over repeats (a, s) = (plain-AR decode
+    seconds, speculative decode seconds of one repeat): the repeats are resampled with replacement, pairs
+    kept together (the two methods of a repeat ran back to back, under the same load). Deterministic for
+    a seed. None with fewer than MIN_CI_REPEATS repeats, where a bootstrap says little."""
+    if len(pairs) < MIN_CI_REPEATS:
+        return None
+    rng = random.Random(seed)
+    n = len(pairs)
+    ratios = []
+    for _ in range(resamples):
+        pick = [pairs[rng.randrange(n)] for _ in range(n)]
+        ratios.append(sum(a for a, _ in pick) / sum(s for _, s in pick))
+    ratios.sort()
+    tail = (1 - level) / 2
+    return {"low": ratios[int(tail * resamples)], "high": ratios[min(resamples - 1, int((1 - tail) * resamples))],
+            "level": level, "method": f"percentile bootstrap over {n} repeats, {resamples} resamples, seed {seed}"}
 
 
 def _decode(call_s, prefill_s) -> list[list[float]]:
@@ -93,7 +121,21 @@ def _decode(call_s, prefill_s) -> list[list[float]]:
     return [[c - p for c, p in zip(cr, pr)] for cr, pr in zip(call_s, prefill_s)]
 
 
-def loop_overhead(round_s: float, verify_s: float, draft_s: float) -> float:
-    """Share of a round spent outside the verify pass and the drafter pass (may be slightly negative from
-    timing noise: the components are timed in their own compiled loops)."""
-    return (round_s - verify_s - draft_s) / round_s
+def round_costs(round_s: Sequence[float], verify_s: Sequence[float], draft_s: Sequence[float],
+                target_step_s: Sequence[float]) -> dict:
+    """A round's cost split from per-repeat measurements taken in the same repeats (same machine load):
+    round_s[r] = the repeat's decode time / its loop iterations; verify_s[r] = one verify pass of the
+    round's width, draft_s[r] = one drafter pass, target_step_s[r] = T(0), one target token step.
+
+    Each value is the median over repeats; the shares are of the median round, and overhead is what the
+    round spends outside the verify and drafter passes (commit, the rule, sampling, loop control), so the
+    three shares sum to 1. Its per-repeat spread shows how stable that remainder is; a negative one
+    means the passes timed alone cost more than inside the loop (noise, or cache effects).
+    """
+    med = statistics.median
+    r, v, d, t0 = med(round_s), med(verify_s), med(draft_s), med(target_step_s)
+    per_repeat = [(rr - vv - dd) / rr for rr, vv, dd in zip(round_s, verify_s, draft_s)]
+    return {"round_s": r, "verify_s": v, "draft_s": d, "target_step_s": t0,
+            "c": med(dd / tt for dd, tt in zip(draft_s, target_step_s)) if any(draft_s) else None,
+            "verify_share": v / r, "draft_share": d / r, "overhead_share": (r - v - d) / r,
+            "overhead_share_repeats": spread(per_repeat), "repeats": len(round_s)}

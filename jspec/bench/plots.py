@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 PLOTS = {
@@ -18,6 +19,7 @@ def write_plots(report: dict, out_dir: str) -> dict[str, str]:
 
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     combos = report["combos"]
     settings = report["settings"]
@@ -25,6 +27,7 @@ def write_plots(report: dict, out_dir: str) -> dict[str, str]:
 
     def save(fig, ax, name):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions, block sizes and widths are integers
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         fig.tight_layout()
@@ -37,18 +40,24 @@ def write_plots(report: dict, out_dir: str) -> dict[str, str]:
         return fig, ax
 
     fig, ax = axes()
-    for c in combos:
-        cond = c["acceptance"]["conditional_acceptance"]
-        xs = [i + 1 for i, v in enumerate(cond) if v is not None]
-        ax.plot(xs, [v for v in cond if v is not None], marker="o", ms=3, label=c["label"])
+    for k, c in enumerate(combos):
+        acc = c["acceptance"]
+        reached = [acc["rounds"]] + acc["accepted_per_position"][:-1]  # rounds that reached draft i
+        pts = [(i + 1, v, n) for i, (v, n) in enumerate(zip(acc["conditional_acceptance"], reached)) if v is not None]
+        xs = [x + dodge(k, len(combos)) for x, _, _ in pts]
+        ys = [v for _, v, _ in pts]
+        lo_hi = [wilson(v, n) for _, v, n in pts]
+        ax.errorbar(xs, ys, yerr=[[y - lo for y, (lo, _) in zip(ys, lo_hi)], [hi - y for y, (_, hi) in zip(ys, lo_hi)]],
+                    marker="o", ms=3, capsize=2, lw=1, label=f"{c['label']} ({acc['rounds']} rounds)")
     ax.set(xlabel="draft position i", ylabel="P(draft i accepted | drafts < i accepted)", ylim=(0, 1.02),
-           title=f"Acceptance by position\n{title}")
+           title=f"Acceptance by position (95% Wilson intervals)\n{title}")
     save(fig, ax, "acceptance_by_position")
 
     fig, ax = axes()
-    for c in combos:
+    for k, c in enumerate(combos):
         s = c["acceptance"]["survival"]
-        ax.plot(range(0, len(s) + 1), [1.0] + s, marker="o", ms=3, label=c["label"])
+        ax.plot([i + dodge(k, len(combos)) for i in range(0, len(s) + 1)], [1.0] + s, marker="o", ms=3,
+                label=f"{c['label']} ({c['acceptance']['rounds']} rounds)")
     ax.set(xlabel="i", ylabel="S(i) = share of rounds accepting >= i drafts", ylim=(0, 1.02),
            title=f"Survival of drafts\n{title}")
     save(fig, ax, "survival")
@@ -67,15 +76,41 @@ def write_plots(report: dict, out_dir: str) -> dict[str, str]:
     groups: dict[tuple, list] = {}
     for c in combos:
         groups.setdefault((c["drafter_short"], c["kind"], c["verifier"], c["temperature"]), []).append(
-            (c["drafts"], c["speedup"]["value"]))
-    for (name, kind, verifier, temperature), pts in groups.items():
-        pts.sort()
-        # Colour: drafter; marker: chain (o) or tree (s); dashed: sampling (T > 0).
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=plt.cm.tab10(drafters.index(name) % 10),
-                marker="o" if kind == "chain" else "s", ls="-" if temperature == 0 else "--",
-                label=f"{name} {kind} {verifier} T={temperature:g}")
+            (c["drafts"], c["speedup"]))
+    for k, ((name, kind, verifier, temperature), pts) in enumerate(groups.items()):
+        pts.sort(key=lambda p: p[0])
+        lo, hi = zip(*(interval(sp) for _, sp in pts))
+        ys = [sp["value"] for _, sp in pts]
+        # Colour: drafter; marker: chain (o) or tree (s); dashed: sampling (T > 0); each series shifted a
+        # little along x so that equal values stay visible.
+        ax.errorbar([p[0] + dodge(k, len(groups)) for p in pts], ys,
+                    yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]], capsize=2,
+                    color=plt.cm.tab10(drafters.index(name) % 10), marker="o" if kind == "chain" else "s",
+                    ls="-" if temperature == 0 else "--", label=f"{name} {kind} {verifier} T={temperature:g}")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="block size g (chains) / tree budget N (trees)", ylabel="speedup over plain AR (decode)",
-           title=f"Speedup vs block size\n{title}")
+    bars = "95% bootstrap intervals" if all(c["speedup"].get("ci95") for c in combos) else "per-repeat range"
+    ax.set(xlabel="drafts per round g (chains) / tree budget N (trees)", ylabel="speedup over plain AR (decode)",
+           title=f"Speedup vs block size ({bars})\n{title}")
     save(fig, ax, "speedup_vs_block")
     return dict(PLOTS)
+
+
+def dodge(k: int, n: int, width: float = 0.24) -> float:
+    """x offset of series k of n: spread over `width` around 0, so that series with equal values stay visible."""
+    return 0.0 if n < 2 else width * (k / (n - 1) - 0.5)
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion p observed over n trials."""
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def interval(sp: dict) -> tuple[float, float]:
+    """A speedup's error bar: its 95% interval, else the per-repeat range, else the value itself."""
+    if sp.get("ci95"):
+        return sp["ci95"]["low"], sp["ci95"]["high"]
+    if sp["repeats"]:
+        return min(sp["repeats"]["min"], sp["value"]), max(sp["repeats"]["max"], sp["value"])
+    return sp["value"], sp["value"]

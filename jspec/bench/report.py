@@ -4,10 +4,15 @@ from __future__ import annotations
 
 
 def _speedup(sp: dict) -> str:
-    """Pooled speedup with the range of per-repeat speedups (a ratio of sums lies inside that range);
-    repeats whose decode time came out <= 0 (timing noise larger than the decode) are named."""
-    r = sp["repeats"]
-    text = f"{sp['value']:.2f}x" + (f" ({r['min']:.2f}-{r['max']:.2f})" if r else "")
+    """Pooled speedup, its 95% interval (bootstrap over repeats, from 5 repeats) or else the range of
+    per-repeat speedups; below 1 it says "slower". Repeats whose decode time came out <= 0 s (timing noise
+    larger than the decode) are named."""
+    r, ci = sp["repeats"], sp.get("ci95")
+    text = f"{sp['value']:.2f}x" + (" (slower)" if sp["value"] < 1 else "")
+    if ci:
+        text += f", 95% CI {ci['low']:.2f}-{ci['high']:.2f}"
+    elif r:
+        text += f", repeats {r['min']:.2f}-{r['max']:.2f}"
     if sp["noisy_repeats"]:
         text += f" [{sp['noisy_repeats']} repeat(s) with decode <= 0 s: timing noise, use more tokens]"
     return text
@@ -18,11 +23,11 @@ def _pct(x: float | None) -> str:
 
 
 def main_table(report: dict) -> str:
-    """One row per run: tau, speedup over plain AR (pooled over prompts and repeats; per-repeat min-max),
-    drafter cost c, verify pass and loop overhead as shares of a round; absolute rates only on an
-    accelerator (DESIGN.md)."""
+    """One row per run: tau, speedup over plain AR (pooled over prompts and repeats, with its 95% interval),
+    drafter cost c, and a round split into the verify pass, the drafter pass and the rest, all timed in the
+    same repeats (their shares sum to 100%); absolute rates only on an accelerator (DESIGN.md)."""
     absolute = report["environment"]["accelerator"]
-    head = ["run", "tau", "speedup (repeat min-max)", "c", "verify / round", "overhead / round"]
+    head = ["run", "tau", "speedup", "c", "verify / round", "draft / round", "overhead / round"]
     if absolute:
         head += ["tok/s", "ms / round"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -31,7 +36,7 @@ def main_table(report: dict) -> str:
         cells = [run["label"], f"{run['acceptance']['tau']:.2f}" if "acceptance" in run else "1.00",
                  _speedup(run["speedup"]) if "speedup" in run else "1",
                  f"{cost['c']:.2f}" if cost.get("c") is not None else "-",
-                 _pct(cost["verify_s"] / cost["round_s"]), _pct(cost["loop_overhead"])]
+                 _pct(cost["verify_share"]), _pct(cost["draft_share"]), _pct(cost["overhead_share"])]
         if absolute:
             cells += [f"{run['timing']['tokens_per_s']:.1f}", f"{1e3 * cost['round_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")

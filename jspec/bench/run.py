@@ -68,7 +68,7 @@ class BenchConfig:
     command: str | None = None
 
 
-QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=3,
+QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=10,
              verify_widths=(1, 2, 4, 8, 16, 32), peer_prompts=2, peer_new_tokens=32)
 """--quick: settings that keep the whole command under 3 minutes on 2 CPU cores (explicit options win)."""
 
@@ -127,13 +127,16 @@ INTERVALS = {
                  "init), jitted apart with the same shapes and cache rows, until its result is ready",
     "decode_s": "call_s - prefill_s: the rounds that commit the remaining max_new_tokens - 1 tokens",
     "tokens_per_s": "pooled: sum of tokens committed in the decode interval / sum of decode_s, all prompts and repeats",
-    "speedup": "plain-AR decode_s / speculative decode_s, same prompts, seeds, cache size, temperature and repeats",
-    "round_s": "decode_s / loop iterations (batch 1: one round, or one AR step)",
+    "speedup": "plain-AR decode_s / speculative decode_s, same prompts, seeds, cache size, temperature and repeats; "
+               "ci95: percentile bootstrap of that pooled ratio over repeats (from 5 repeats)",
+    "round_s": "median over repeats of the repeat's decode_s / its loop iterations (batch 1: one round, or one AR step)",
     "verify_s": "one target pass over the anchor + n drafts (chains; trees timed as a chain of the same width), "
-                "inside a compiled loop of 32 (jspec.decode.profile), one row, at the cost context",
-    "draft_s": "one Drafter.propose for one row inside a compiled loop of 32, at the cost context",
-    "c": "draft_s / T(0), T(0) = one target token step",
-    "loop_overhead": "(round_s - verify_s - draft_s) / round_s",
+                "inside a compiled loop of 32 (jspec.decode.profile), one row, at the cost context; timed once per "
+                "repeat right after that repeat's calls of the same method, median over repeats",
+    "draft_s": "one Drafter.propose for one row inside a compiled loop of 32, at the cost context, timed like verify_s",
+    "c": "median over repeats of draft_s / T(0), T(0) = one target token step timed in the same repeat",
+    "shares": "verify_share + draft_share + overhead_share = 1: the medians of verify_s and draft_s over the median "
+              "round_s; overhead = commit, rule, sampling and loop control",
 }
 
 
@@ -175,11 +178,11 @@ def run_bench(cfg: BenchConfig, target: Target | None = None) -> dict:
                                p.combo.verifier) for p in plan]
     runs = list(ar_runs.values()) + spec_runs
     widths = sorted({0, 1, *cfg.verify_widths})  # T(0): the token step of c; T(1): the curve's unit
-    extra_widths = sorted({p.drafter.num_drafts for p in plan} - set(widths))
+    probe_widths = {0} | {p.drafter.num_drafts for p in plan}
     peer_skip = _peer_skip(cfg)
     do_roofline = accelerator or cfg.bandwidth_gbs is not None
-    total = (len(runs) * (len(prompts) + 1) + len(runs) * cfg.repeats * len(prompts) * 2
-             + len(widths) + len(extra_widths) + len(plan) + int(do_roofline)
+    total = (len(runs) * (len(prompts) + 1) + len(probe_widths) + len(plan) + len(runs) * cfg.repeats * len(prompts) * 2
+             + len(widths) + int(do_roofline)
              + (0 if peer_skip else peer.planned_calls(cfg.peer_prompts, cfg.repeats)))
     os.makedirs(cfg.out, exist_ok=True)  # fail on an unusable folder before measuring, not after
     bar = tqdm(total=total, desc="jspec bench", unit="step", disable=not cfg.progress, dynamic_ncols=True)
@@ -190,27 +193,24 @@ def run_bench(cfg: BenchConfig, target: Target | None = None) -> dict:
 
     try:
         outputs, warm = _warm_up(runs, prompts, cfg, tick)
-        timed = _timed(runs, prompts, cfg, tick)
         ar_first = outputs[ar_runs[temps[0]]]
         context_tokens = _cost_context(prompts[0], ar_first[0], cfg.max_new_tokens // 2, cache_size)
-        cost_repeats = max(3, cfg.repeats)
+        probes = _cost_probes(target, ar_runs, zip(plan, spec_runs), context_tokens, cache_size, tick)
+        timed, costs = _timed(runs, prompts, cfg, tick, probes)
+        curve_repeats = max(3, cfg.repeats)
         verify = {}
-        for n in widths + extra_widths:
-            verify[n] = timing.verify_seconds(target, n, len(context_tokens), cache_size, cost_repeats)
+        for n in widths:
+            verify[n] = timing.verify_seconds(target, n, len(context_tokens), cache_size, curve_repeats)
             tick(f"verify pass n={n}")
         curve = {"context": len(context_tokens), "cache_rows": f"{cache_size} + n + 1", "n": widths,
                  "seconds": [verify[n] for n in widths], "ratio_to_t1": [verify[n] / verify[1] for n in widths]}
         ar_records = {}
         for t, run in ar_runs.items():
-            ar_records[t] = _ar_record(run, t, timed[run], verify[0])
+            ar_records[t] = _ar_record(run, t, timed[run], costs[run])
         combo_records = []
         for p, run in zip(plan, spec_runs):
-            draft_s = timing.drafter_pass_seconds(target, p.drafter, p.params, context_tokens, cache_size, cost_repeats,
-                                                  SamplingParams(p.combo.temperature),
-                                                  rules.get_rule(p.combo.verifier).draft_policy)
-            tick(f"drafter pass {run.label}")
             combo_records.append(_combo_record(p, run, warm[run], outputs[run], outputs[ar_runs[p.combo.temperature]],
-                                               timed[run], ar_records[p.combo.temperature], verify, draft_s))
+                                               timed[run], ar_records[p.combo.temperature], costs[run]))
         roof = _roofline(target, curve, cfg, accelerator, tick) if do_roofline else {
             "skipped": "no accelerator: pass --bandwidth-gbs to compare the CPU verify pass with a bandwidth"}
         if peer_skip:
@@ -228,7 +228,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None) -> dict:
         "environment": _environment(),
         "settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("command", "progress")},
                      "cache_size": cache_size, "eos": "off: every call generates max_new_tokens tokens",
-                     "batch": 1, "seeds": f"{cfg.seed} + prompt index", "cost_repeats": cost_repeats},
+                     "batch": 1, "seeds": f"{cfg.seed} + prompt index", "curve_repeats": curve_repeats},
         "target": {"name": _target_name(cfg, target, given), "path": target.path,
                    "params": target.cfg.num_params, "layers": target.cfg.num_layers,
                    "hidden_size": target.cfg.hidden_size, "vocab_size": target.cfg.vocab_size,
@@ -294,9 +294,34 @@ def _warm_up(runs, prompts, cfg: BenchConfig, tick):
     return outputs, results
 
 
-def _timed(runs, prompts, cfg: BenchConfig, tick) -> dict:
-    """Per run: (call_s, prefill_s, tokens, loop iterations), each [repeat][prompt]; methods interleaved."""
+def _cost_probes(target, ar_runs: dict, planned, context_tokens, cache_size: int, tick) -> dict:
+    """Per run, the cost probes timed beside its calls (compiled here): {"verify": T(n) of its round's width,
+    "draft": its drafter pass or None}; plain AR's verify probe is T(0), the target token step."""
+    verify = {}
+
+    def verify_probe(n):
+        if n not in verify:
+            verify[n] = timing.verify_probe(target, n, len(context_tokens), cache_size)
+            tick(f"verify pass n={n}")
+        return verify[n]
+
+    probes = {run: {"verify": verify_probe(0), "draft": None} for run in ar_runs.values()}
+    for p, run in planned:
+        draft = timing.drafter_probe(target, p.drafter, p.params, context_tokens, cache_size,
+                                     SamplingParams(p.combo.temperature), rules.get_rule(p.combo.verifier).draft_policy)
+        tick(f"drafter pass {run.label}")
+        probes[run] = {"verify": verify_probe(p.drafter.num_drafts), "draft": draft}
+    probes["step"] = verify_probe(0)
+    return probes
+
+
+def _timed(runs, prompts, cfg: BenchConfig, tick, probes: dict) -> tuple[dict, dict]:
+    """Per run: (call_s, prefill_s, tokens, loop iterations), each [repeat][prompt], and its cost
+    measurements {"verify_s", "draft_s", "step_s"}, each [repeat]. Methods are interleaved within a
+    repeat, and each method's cost probes run right after its calls, so a repeat's round time and the
+    costs it is split into see the same machine load."""
     rows = {run: ([], [], [], []) for run in runs}
+    costs = {run: {"verify_s": [], "draft_s": [], "step_s": []} for run in runs}
     for _ in range(cfg.repeats):
         for run in runs:
             call_s, prefill_s, tokens, loops = [], [], [], []
@@ -310,24 +335,27 @@ def _timed(runs, prompts, cfg: BenchConfig, tick) -> dict:
                 tick(f"time {run.label}")
             for row, values in zip(rows[run], (call_s, prefill_s, tokens, loops)):
                 row.append(values)
-    return rows
+            probe = probes[run]
+            costs[run]["verify_s"].append(probe["verify"].seconds())
+            costs[run]["draft_s"].append(probe["draft"].seconds() if probe["draft"] else 0.0)
+            costs[run]["step_s"].append(probe["verify"].seconds() if probe["verify"] is probes["step"] else
+                                        probes["step"].seconds())
+    return rows, costs
 
 
-def _cost(timing_record: dict, loops, verify_s: float, draft_s: float, target_step_s: float) -> dict:
-    round_s = timing_record["decode_s_total"] / sum(sum(r) for r in loops)
-    return {"round_s": round_s, "verify_s": verify_s, "draft_s": draft_s, "target_step_s": target_step_s,
-            "c": draft_s / target_step_s, "loop_overhead": metrics.loop_overhead(round_s, verify_s, draft_s)}
+def _cost(rows, cost: dict) -> dict:
+    call_s, prefill_s, _, loops = rows
+    round_s = [(sum(c) - sum(p)) / sum(n) for c, p, n in zip(call_s, prefill_s, loops)]
+    return metrics.round_costs(round_s, cost["verify_s"], cost["draft_s"], cost["step_s"])
 
 
-def _ar_record(run, temperature: float, rows, step_s: float) -> dict:
-    call_s, prefill_s, tokens, loops = rows
-    rec = metrics.decode_timing(call_s, prefill_s, tokens)
-    cost = _cost(rec, loops, step_s, 0.0, step_s)
-    cost["c"] = None  # no drafter
-    return {"label": run.label, "temperature": temperature, "timing": rec, "cost": cost}
+def _ar_record(run, temperature: float, rows, cost: dict) -> dict:
+    call_s, prefill_s, tokens, _ = rows
+    return {"label": run.label, "temperature": temperature, "timing": metrics.decode_timing(call_s, prefill_s, tokens),
+            "cost": _cost(rows, cost)}
 
 
-def _combo_record(p: combos.Planned, run, warm, outputs, ar_outputs, rows, ar_record, verify, draft_s) -> dict:
+def _combo_record(p: combos.Planned, run, warm, outputs, ar_outputs, rows, ar_record, cost: dict) -> dict:
     stats = [r.stats for r in warm]
     depth = len(stats[0]["accepted_per_position"])
     acc = metrics.acceptance(
@@ -337,7 +365,7 @@ def _combo_record(p: combos.Planned, run, warm, outputs, ar_outputs, rows, ar_re
         per_position=[sum(s["accepted_per_position"][i] for s in stats) for i in range(depth)],
         verified=sum(s["verified"] for s in stats),
     )
-    call_s, prefill_s, tokens, loops = rows
+    call_s, prefill_s, tokens, _ = rows
     rec = metrics.decode_timing(call_s, prefill_s, tokens)
     c = p.combo
     exact = rules.get_rule(c.verifier).plain_tokens  # plain decoding's tokens; the others match in law only
@@ -348,7 +376,7 @@ def _combo_record(p: combos.Planned, run, warm, outputs, ar_outputs, rows, ar_re
         "acceptance": acc,
         "timing": rec,
         "speedup": metrics.speedup(ar_record["timing"], rec),
-        "cost": _cost(rec, loops, verify[p.drafter.num_drafts], draft_s, verify[0]),
+        "cost": _cost(rows, cost),
         "outputs_equal_ar": (outputs == ar_outputs) if exact else None,
     }
 

@@ -6,9 +6,10 @@
 - Its prefill interval: what the compiled loop runs before its first round (the target prefill, which
   also chooses the first new token, and `Drafter.init`), jitted on its own with the same shapes and
   cache rows, up to its result being ready. decode = call - prefill: the rounds.
-- The verify pass T(n): `jspec.decode.profile.verify_pass_seconds`, one target pass over the anchor and
-  n drafts for one row, inside a compiled loop (no dispatch cost); T(0) is one target token step.
+- The verify pass T(n): one target pass over the anchor and n drafts for one row, inside a compiled
+  loop (no dispatch cost, `jspec.decode.profile`); T(0) is one target token step.
 - The drafter pass: one `Drafter.propose` for one row, inside a compiled loop the same way.
+Both are `Probe`s: compiled once, then timed once per repeat beside that repeat's generation calls.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jspec
 from jspec.api import pack_prompts
 from jspec.decode import ar, profile, spec
 from jspec.drafters.base import GREEDY, DraftContext, Drafter
+from jspec.models import target as tm
 from jspec.verify.sampling import SamplingParams
 
 INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
@@ -77,17 +79,42 @@ class Runner:
         return time.perf_counter() - t0
 
 
+class Probe:
+    """One cost profile of a bench run, compiled once and timed again whenever asked: `seconds()` is one
+    timed call of a compiled loop of INNER passes (no dispatch cost), divided by INNER. The bench times
+    every probe once per repeat, beside the generation calls of that repeat (`jspec.bench.run`), so the
+    costs of a round and the round itself see the same machine load."""
+
+    def __init__(self, run, args):
+        self.run, self.args = run, args
+        jax.block_until_ready(run(*args))  # compiles
+
+    def seconds(self) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.run(*self.args))
+        return (time.perf_counter() - t0) / INNER
+
+
+def verify_probe(target, drafts: int, context: int, cache_size: int) -> Probe:
+    """T(drafts): one target pass over the anchor and `drafts` tokens for one row with `context` committed
+    rows, in a cache of cache_size + drafts + 1 rows (the rows the speculative loop allocates for that
+    width); T(0) is one target token step."""
+    cache = tm.init_cache(target.cfg, 1, cache_size + drafts + 1, target.params["embed"].dtype)
+    pos = (context + jnp.arange(drafts + 1, dtype=jnp.int32))[None]
+    return Probe(profile.timed_passes(target.cfg, INNER),
+                 (target.params, cache, jnp.zeros((1, drafts + 1), jnp.int32), pos))
+
+
 def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: int) -> float:
-    """T(drafts) for one row with `context` committed rows, in a cache of cache_size + drafts + 1 rows
-    (the rows the speculative loop allocates for that width)."""
-    return profile.verify_pass_seconds(target.params, target.cfg, 1, drafts, context, cache_size + drafts + 1,
-                                       repeats)
+    """Median of `repeats` timings of `verify_probe`."""
+    probe = verify_probe(target, drafts, context, cache_size)
+    return statistics.median(probe.seconds() for _ in range(repeats))
 
 
-def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cache_size: int, repeats: int,
-                         sampling: SamplingParams = SamplingParams(0.0), policy: str = GREEDY) -> float:
-    """Median seconds of one `drafter.propose` for one row whose committed text is `context_tokens`,
-    proposing under `policy` (a rule's draft policy) with the served `sampling`.
+def drafter_probe(target, drafter: Drafter, dparams, context_tokens, cache_size: int,
+                  sampling: SamplingParams = SamplingParams(0.0), policy: str = GREEDY) -> Probe:
+    """One `drafter.propose` for one row whose committed text is `context_tokens`, proposing under `policy`
+    (a rule's draft policy) with the served `sampling`.
 
     The drafter state comes from the loop's own set-up (target prefill with the drafter's taps, then
     `drafter.init`); INNER proposals then run in one compiled loop, each call's first draft becoming the
@@ -114,8 +141,7 @@ def drafter_pass_seconds(target, drafter: Drafter, dparams, context_tokens, cach
 
     seeds = jnp.zeros((1,), jnp.uint32)
     core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
-    return profile.median_seconds(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds), repeats,
-                                  INNER)
+    return Probe(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds))
 
 
 def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:

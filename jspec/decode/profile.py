@@ -35,12 +35,14 @@ def verify_pass_seconds(params, cfg, batch: int, drafts: int, context: int, cach
     width = drafts + 1
     cache = tm.init_cache(cfg, batch, cache_size, params["embed"].dtype)
     pos = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
-    run = _timed_passes(cfg, inner)
+    run = timed_passes(cfg, inner)
     return median_seconds(run, (params, cache, jnp.zeros((batch, width), jnp.int32), pos), repeats, inner)
 
 
 @functools.lru_cache(maxsize=None)
-def _timed_passes(cfg, inner: int = INNER):
+def timed_passes(cfg, inner: int = INNER):
+    """Jitted f(params, cache, tokens [B, W], positions [B, W]): `inner` verify passes of width W in one loop."""
+
     def passes(params, cache, tokens, pos):
         def step(_, carry):  # each pass verifies the previous pass's argmax, so nothing is dead code
             cache, tokens = carry
