@@ -1,6 +1,7 @@
 """A small model that jspec makes itself: a BPE tokenizer trained on local Python source and a random
-Qwen3-shaped target, saved in Hugging Face format. Used by `jspec demo` and the benchmarks until
-trained built-in models exist. Its weights are random, so its text is not meaningful."""
+Qwen3-shaped target, saved in Hugging Face format. `jspec demo` uses it to show the checkpoint round trip
+(write, strict reload, generate), and the benchmarks and tests take its shape for random-weight models.
+Its weights are random, so its text is not meaningful; the trained built-in models are `builtin:NAME`."""
 
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ PROMPTS = [[5, 6, 7, 8], [40, 41, 9]]
 DRAFTER = {"dflash": {}, "dspark": {"markov_rank": 8, "markov_head_type": "rnn"}}
 
 
+MASK = "<|mask|>"  # the target runs reserve it (id 1); the drafters draft from it
+
+
 def _write(path, config) -> str:
     path.write_text(json.dumps(config))
     return str(path)
@@ -36,11 +39,11 @@ def _target_config(corpus, **train):
             "data": {"corpus": corpus, "pattern": "*.py", "seq_len": 16, "batch_size": 2},
             "train": {"steps": 3, "lr": 1e-2, "warmup_frac": 0.0, "ckpt_every": 2, "keep": 3, "log_every": 1,
                       **train},
-            "init_std": 0.3}
+            "init_std": 0.3, "reserved_tokens": [MASK]}
 
 
 def _drafter_config(corpus, name, **drafter):
-    return {"drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0], "mask_token_id": 0,
+    return {"drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0], "mask_token_id": 1,
                         **DRAFTER[name], **drafter},
             "data": {"corpus": corpus, "pattern": "*.py", "batch_size": 2},
             "distill": {"num_prompts": 4, "prompt_len": 8, "new_tokens": 8, "batch": 2},
@@ -70,8 +73,8 @@ def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     (root / "corpus").mkdir()
     for i in range(6):  # enough files for a train / validation split by file
-        (root / "corpus" / f"m{i}.py").write_text(
-            "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(30)))
+        (root / "corpus" / f"m{i}.py").write_text(  # each file also writes the mask token's text once
+            f"# {MASK} marks a hole\n" + "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(30)))
     return root
 
 
@@ -119,6 +122,24 @@ def initial_params(monkeypatch):
 
 
 # --- the target: Hugging Face format ----------------------------------------------------------------------------
+
+
+def test_the_target_tokenizer_reserves_the_mask_token_that_no_text_becomes(target_run):
+    from tokenizers import Tokenizer
+
+    _, run = target_run
+    tok = Tokenizer.from_file(os.path.join(run, "model", "tokenizer.json"))
+    assert tok.token_to_id(export.EOT) == 0 and tok.token_to_id(MASK) == 1
+    assert tok.encode(f"x = '{MASK}'").ids.count(1) == 1  # the saved tokenizer reads the token as HF's do
+    # Every corpus file writes the mask token's text; the training windows hold it as plain text, never as id 1.
+    (ds_dir,) = glob.glob(os.path.join(run, "tfds", "text_corpus", "*"))
+    literal = lm.tokenized_windows(tok, ds_dir, "train", 16, literal_specials=True)
+    assert 1 not in literal and MASK in tok.decode(literal.ravel().tolist())
+    assert 1 in lm.tokenized_windows(tok, ds_dir, "train", 16)  # the default reads it as the special token
+    assert not tok.encode_special_tokens  # the setting is restored
+    # A run whose tokenizer does not reserve what the config names is refused, naming both.
+    with pytest.raises(CheckpointError, match=r"does not reserve \['<\|pad\|>'\] at ids 1..1"):
+        lm.check_reserved(tok, ("<|pad|>",), "x")
 
 
 def test_a_target_run_exports_its_step_2_checkpoint_in_hf_format(target_run, tmp_path, capsys):

@@ -32,14 +32,15 @@ from jspec.train.trainer import TrainConfig, Trainer
 logger = logging.getLogger(__name__)
 
 
-def train_tokenizer(vocab_size: int, files: list[str]):
-    """Byte-level BPE with one special token (<|endoftext|> = id 0)."""
+def train_tokenizer(vocab_size: int, files: list[str], reserved: tuple[str, ...] = ()):
+    """Byte-level BPE whose special tokens are <|endoftext|> (id 0) and then the `reserved` ones (ids 1, 2,
+    ...: e.g. the mask token a DFlash-style drafter drafts from, which no text of the corpus becomes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT, *reserved], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train(files, trainer)
     return tok
@@ -114,8 +115,17 @@ def prepare_text(cfg: dict, work_dir: str) -> tuple[str, list[str]]:
     return ds_dir, files["train"]
 
 
-def tokenized_windows(tok, ds_dir: str, split: str, seq_len: int) -> np.ndarray:
-    docs = [tok.encode(ex["text"]).ids for ex in data.read_split(ds_dir, split)]
+def tokenized_windows(tok, ds_dir: str, split: str, seq_len: int, literal_specials: bool = False) -> np.ndarray:
+    """The split's documents tokenized and packed into windows of seq_len + 1, joined by <|endoftext|>.
+
+    literal_specials: a special token's text inside a document (a source file that writes "<|mask|>") is
+    tokenized as plain text, so that no document yields a special id (a reserved token stays unseen)."""
+    saved = tok.encode_special_tokens
+    tok.encode_special_tokens = literal_specials
+    try:
+        docs = [tok.encode(ex["text"]).ids for ex in data.read_split(ds_dir, split)]
+    finally:
+        tok.encode_special_tokens = saved
     return data.pack_tokens(docs, seq_len, tok.token_to_id(EOT))
 
 
@@ -144,6 +154,16 @@ def pretrain_target(config_path: str, out_dir: str, *, steps: int | None = None,
         return _pretrain(cfg, out_dir, steps, progress, mesh, lock, init)
 
 
+def check_reserved(tok, reserved: tuple[str, ...], where: str) -> None:
+    """CheckpointError unless the run's tokenizer holds the config's reserved tokens at ids 1, 2, ..."""
+    ids = [tok.token_to_id(t) for t in reserved]
+    if ids != list(range(1, len(reserved) + 1)):
+        have = {t: i for t, i in zip(reserved, ids)}
+        raise CheckpointError(f"the tokenizer of {where} does not reserve {list(reserved)} at ids 1.."
+                              f"{len(reserved)} (it has {have}): reserved_tokens must match the tokenizer the run "
+                              "trains with; drop the key, or start a new run in a new --out folder")
+
+
 def _init_start(cfg: dict, init: str) -> tuple:
     """(tokenizer, parameters) of the init checkpoint, checked against the run config before any corpus is
     read; the parameters come from the file (jspec.train.export.init_target_params)."""
@@ -158,6 +178,7 @@ def _init_start(cfg: dict, init: str) -> tuple:
 
 def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock, init: str | None = None) -> str:
     start_from = None
+    reserved = tuple(cfg.get("reserved_tokens", ()))
     if init is not None:
         done = export.checkpoint_steps(out_dir)
         if done:
@@ -171,7 +192,7 @@ def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock, init: 
     ds_dir, train_files = prepare_text(cfg, work)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     if parallel.is_primary() and not os.path.exists(tok_path):
-        trained = start_from[0] if start_from else train_tokenizer(cfg["model"]["vocab_size"], train_files)
+        trained = start_from[0] if start_from else train_tokenizer(cfg["model"]["vocab_size"], train_files, reserved)
         runfiles.atomic_file(tok_path, trained.save)
     parallel.sync("tokenizer")
     tok = load_run_tokenizer(tok_path)
@@ -179,9 +200,11 @@ def _pretrain(cfg: dict, out_dir: str, steps, progress: bool, mesh, lock, init: 
         raise CheckpointError(f"{tok_path} is not the tokenizer of init checkpoint {init!r}: the run folder began "
                               "another run (that wrote no checkpoint); start from the init checkpoint in a new --out "
                               "folder")
+    where = f"init checkpoint {init!r}" if start_from else tok_path
+    check_reserved(tok, reserved, where)
     mcfg = export.run_model_config(cfg, tok)
     seq_len, batch = cfg["data"]["seq_len"], cfg["data"]["batch_size"]
-    windows = tokenized_windows(tok, ds_dir, "train", seq_len)
+    windows = tokenized_windows(tok, ds_dir, "train", seq_len, literal_specials=bool(reserved))
     tc = TrainConfig(**cfg["train"])
     if start_from:
         params = start_from[1]

@@ -1,7 +1,8 @@
 """The run configs of `jspec train` (JSON files): every key of every section checked before anything runs.
 
 A target run's config has the sections model (ModelConfig fields), data, train (TrainConfig fields) and an
-optional init_std; a drafter run's has drafter (the family recipe's settings), data, distill, train and an
+optional init_std and reserved_tokens (special tokens the tokenizer reserves after <|endoftext|>, e.g.
+["<|mask|>"] for the mask token of DFlash-style drafters: ids 1, 2, ... that the corpus never produces); a drafter run's has drafter (the family recipe's settings), data, distill, train and an
 optional init_std. The train section of both may also name an official checkpoint to start from ("init":
 PATH, as `jspec train --init PATH`). An unknown key (a typo such as "lerning_rate") or a missing required
 one is a ConfigError naming the file and every such key with its section, before a corpus is read or a model
@@ -37,7 +38,7 @@ _TRAIN = (_fields(TrainConfig)[0], _fields(TrainConfig)[1] + ("init",))
 # elsewhere (the drafter recipe's).
 SCHEMAS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]] | None]] = {
     "target": {
-        "": (("model", "data", "train"), ("init_std",)),
+        "": (("model", "data", "train"), ("init_std", "reserved_tokens")),
         "model": _MODEL,
         "data": (("corpus", "seq_len", "batch_size"), ("pattern",)),
         "train": _TRAIN,
@@ -111,6 +112,11 @@ def check_run_config(cfg: dict, path: str, kind: str) -> None:
     init = cfg.get("train", {}).get("init")
     if init is not None and (not isinstance(init, str) or not init):
         problems.append(f"train.init must be the path of a checkpoint folder (a string), got {init!r}")
+    reserved = cfg.get("reserved_tokens", [])
+    if (not isinstance(reserved, list) or not all(isinstance(t, str) and t for t in reserved)
+            or len(set(reserved)) != len(reserved) or "<|endoftext|>" in reserved):
+        problems.append("reserved_tokens must be a list of distinct, non-empty token strings other than "
+                        f"<|endoftext|> (always id 0), e.g. [\"<|mask|>\"], got {reserved!r}")
     std = cfg.get("init_std", 0.02)
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std <= 0:
         problems.append(f"init_std must be a finite number > 0, got {std!r}")
