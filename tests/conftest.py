@@ -14,7 +14,21 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # tests pass a folder of their own.
 os.environ["JSPEC_COMPILE_CACHE"] = "off"
 
+import tempfile
+
 import pytest
+
+# The suite itself shares one persistent compilation cache between its workers, fresh for each run: many
+# files compile the same programs (the same tiny target's loops, rules and drafters), and every file's
+# programs are freed when it ends (`_release_compiled_code`), so a later file, in any worker, loads them
+# instead of compiling them again. Set in this process only (the jax option, not the environment), so
+# the `jspec` commands that tests start keep their own cache settings. JSPEC_TEST_COMPILE_CACHE=off
+# compiles everything.
+if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "on").lower() != "off":
+    from jspec.platform import enable_compile_cache
+
+    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    enable_compile_cache(os.path.join(tempfile.gettempdir(), f"jspec-test-compile-cache-{_RUN}"))
 
 
 # `make test` runs the suite in pytest-xdist workers with --dist loadfile: one worker runs a whole test file, so
