@@ -105,6 +105,8 @@ def test_target_config_values_and_sections_are_checked_naming_the_file(tmp_path)
         (lambda c: c["train"].update(lr=-1.0), r"need steps, .* lr > 0"),
         (lambda c: c.update(init_std=float("nan")), r"init_std must be a finite number > 0, got nan"),
         (lambda c: c.update(reserved_tokens="<|mask|>"), r"reserved_tokens must be a list of distinct, non-empty"),
+        (lambda c: c["data"].update(corpus=[]), r"data.corpus must be a source or a list of sources"),
+        (lambda c: c["data"].update(corpus=["stdlib", 3]), r"data.corpus must be a source or a list of sources"),
         (lambda c: c.update(reserved_tokens=["<|endoftext|>"]), r"other than <\|endoftext\|> \(always id 0\)"),
         (lambda c: c["model"].update(eos_token_ids=[0]), r"unknown key 'model.eos_token_ids'"),
         (lambda c: c["model"].update(num_kv_heads=3), r"must be a multiple of num_key_value_heads"),

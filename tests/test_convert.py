@@ -142,6 +142,37 @@ def test_the_target_tokenizer_reserves_the_mask_token_that_no_text_becomes(targe
         lm.check_reserved(tok, ("<|pad|>",), "x")
 
 
+def test_a_corpus_of_several_folders_keeps_each_folders_split(tmp_path):
+    from jspec.train import data
+
+    names = [f"m{i}.py" for i in range(200)]
+    held = [n for n in names if data.is_validation(n)][:2]
+    assert len(held) == 2  # 5% of 200 names hash into the validation split
+    files = held + [n for n in names if n not in held][:6]
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for n in files:
+            (tmp_path / folder / n).write_text(f"# {folder}/{n}\n" + "x = 1\n" * 3)
+    pattern = "*.py"
+    sources = lm.corpus_sources([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert sources == [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))]
+    both = data.split_sources(sources, pattern)
+    alone = data.split_files(str(tmp_path / "a"), data.corpus_files(str(tmp_path / "a"), pattern))
+    assert [p for n, p in both["validation"] if n.startswith("a/")] == alone["validation"]  # beside b, as alone
+    assert sorted(n for n, _ in both["validation"]) == sorted(f"{f}/{h}" for f in "ab" for h in held)
+    assert len(both["train"]) == 12
+    assert [n for n, _ in data.split_sources(str(tmp_path / "a"), pattern)["validation"]] == sorted(held)  # one folder
+    ds = data.build_corpus(sources, str(tmp_path / "tfds"), pattern)
+    rows = data.read_split(ds, "validation")
+    assert sorted(r["path"] for r in rows) == sorted(n for n, _ in both["validation"])
+    assert all(r["text"].startswith(f"# {r['path']}\n") for r in rows)
+    # The named sources, and a folder listed twice.
+    assert lm.corpus_sources(["stdlib", "site-packages"]) == [("stdlib", data.stdlib_dir()),
+                                                            ("site-packages", data.site_packages_dir())]
+    with pytest.raises(ConfigError, match="names a source twice"):
+        lm.corpus_sources([str(tmp_path / "a"), str(tmp_path / "a")])
+
+
 def test_a_target_run_exports_its_step_2_checkpoint_in_hf_format(target_run, tmp_path, capsys):
     _, run = target_run
     out = tmp_path / "step2"

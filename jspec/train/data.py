@@ -1,8 +1,8 @@
 """Text corpora as TFDS datasets (array_record, no TensorFlow) and grain pipelines of packed sequences.
 
-A corpus is a folder of text files (e.g. the Python standard library's source). The split is by
-file: a file's validation membership is a hash of its relative path, so it never changes when files
-are added. Sequences are packed: documents are tokenized, joined with the end-of-text token and cut
+A corpus is one or more folders of text files (e.g. the Python standard library's source and the sources
+of the installed packages). The split is by file: a file's validation membership is a hash of its path
+relative to its folder, so it never changes when files or other folders are added. Sequences are packed: documents are tokenized, joined with the end-of-text token and cut
 into fixed-length windows; a grain MapDataset shuffles them with a fixed seed and batches them, and
 batch i is a pure function of (seed, i), which is what makes resuming exact.
 """
@@ -26,6 +26,12 @@ VALIDATION_FRACTION = 0.05
 def stdlib_dir() -> str:
     """The interpreter's standard-library source folder: a real code corpus on every machine."""
     return sysconfig.get_paths()["stdlib"]
+
+
+def site_packages_dir() -> str:
+    """The interpreter's site-packages folder: the sources of the installed packages (test folders are
+    skipped by `corpus_files`, as in the standard library)."""
+    return sysconfig.get_paths()["purelib"]
 
 
 def corpus_files(root: str, pattern: str = "**/*.py", exclude: tuple[str, ...] = ("test", "site-packages",
@@ -75,37 +81,67 @@ def split_files(root: str, files: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def split_sources(sources, pattern: str = "**/*.py") -> dict[str, list[tuple[str, str]]]:
+    """(name, path) of every file of every source (label, folder), split by file: each file by its path
+    relative to its own folder (`is_validation`), so a folder's split is the same alone or beside others.
+    The name is that relative path, prefixed with the source's label when there are several sources."""
+    sources = _as_sources(sources)
+    out = {"train": [], "validation": []}
+    for label, root in sources:
+        for path in corpus_files(root, pattern):
+            rel = os.path.relpath(path, root)
+            name = f"{label}/{rel}" if len(sources) > 1 else rel
+            out["validation" if is_validation(rel) else "train"].append((name, path))
+    if not out["train"] or not out["validation"]:
+        folders = ", ".join(repr(root) for _, root in sources)
+        raise ValueError(f"corpus {folders} has {len(out['train']) + len(out['validation'])} files: too few for a "
+                         "train/validation split by file")
+    return out
+
+
+def _as_sources(sources) -> list[tuple[str, str]]:
+    """A folder, or (label, folder) pairs with distinct labels."""
+    if isinstance(sources, str):
+        return [(os.path.basename(os.path.normpath(sources)) or sources, sources)]
+    sources = [tuple(s) for s in sources]
+    labels = [label for label, _ in sources]
+    if not sources or len(set(labels)) != len(labels):
+        raise ValueError(f"corpus sources need distinct labels, got {labels}")
+    return sources
+
+
 class TextCorpus(tfds.core.GeneratorBasedBuilder):
-    """Local text files -> {'path', 'text'} examples, split by file into train / validation."""
+    """Local text files of one or more folders -> {'path', 'text'} examples, split by file into train /
+    validation (`split_sources`)."""
 
     VERSION = tfds.core.Version("1.0.0")
 
-    def __init__(self, *, corpus_root: str | None = None, pattern: str = "**/*.py", **kwargs):
-        self._corpus_root = corpus_root
+    def __init__(self, *, sources=None, pattern: str = "**/*.py", **kwargs):
+        self._sources = sources
         self._pattern = pattern
         super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
-            description="Text files of a local folder, split by file.",
+            description="Text files of local folders, split by file.",
             features=tfds.features.FeaturesDict({"path": tfds.features.Text(), "text": tfds.features.Text()}),
         )
 
     def _split_generators(self, dl_manager):
-        splits = split_files(self._corpus_root, corpus_files(self._corpus_root, self._pattern))
-        return {name: self._generate_examples(files) for name, files in splits.items()}
+        splits = split_sources(self._sources, self._pattern)
+        return {name: self._generate_examples(entries) for name, entries in splits.items()}
 
-    def _generate_examples(self, files):
-        for path in files:
-            rel = os.path.relpath(path, self._corpus_root)
+    def _generate_examples(self, entries):
+        for name, path in entries:
             with open(path, encoding="utf-8") as f:  # checked to be UTF-8 by corpus_files
-                yield rel, {"path": rel, "text": f.read()}
+                yield name, {"path": name, "text": f.read()}
 
 
-def build_corpus(corpus_root: str, data_dir: str, pattern: str = "**/*.py") -> str:
-    """Prepare the corpus as an array_record TFDS dataset under data_dir; returns its directory."""
-    builder = TextCorpus(corpus_root=corpus_root, pattern=pattern, data_dir=data_dir, file_format="array_record")
+def build_corpus(sources, data_dir: str, pattern: str = "**/*.py") -> str:
+    """Prepare the corpus (a folder, or (label, folder) pairs) as an array_record TFDS dataset under data_dir;
+    returns its directory."""
+    builder = TextCorpus(sources=_as_sources(sources), pattern=pattern, data_dir=data_dir, file_format="array_record")
     _prepare(builder)
     return builder.data_dir
 

@@ -103,16 +103,30 @@ def load_run_tokenizer(path: str):
                               "train the tokenizer again from the corpus") from err
 
 
-def corpus_root(spec: str) -> str:
-    return data.stdlib_dir() if spec == "stdlib" else spec
+CORPUS_SOURCES = {"stdlib": data.stdlib_dir, "site-packages": data.site_packages_dir}
+"""Named corpus sources of a run config's data.corpus; anything else is a folder."""
+
+
+def corpus_sources(spec) -> list[tuple[str, str]]:
+    """(label, folder) pairs of a run config's data.corpus: a source or a list of sources, each a name of
+    CORPUS_SOURCES ("stdlib": the standard library's sources, "site-packages": the installed packages')
+    or a folder (labelled by its name)."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    out = [(s, CORPUS_SOURCES[s]()) if s in CORPUS_SOURCES else (os.path.basename(os.path.normpath(s)) or s, s)
+           for s in specs]
+    labels = [label for label, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"data.corpus {spec!r} names a source twice (labels {labels}): list each folder once")
+    return out
 
 
 def prepare_text(cfg: dict, work_dir: str) -> tuple[str, list[str]]:
     """Build the TFDS corpus; returns (dataset dir, training file paths for the tokenizer)."""
-    root = corpus_root(cfg["data"]["corpus"])
-    files = data.split_files(root, data.corpus_files(root, cfg["data"].get("pattern", "**/*.py")))
-    ds_dir = data.build_corpus(root, os.path.join(work_dir, "tfds"), cfg["data"].get("pattern", "**/*.py"))
-    return ds_dir, files["train"]
+    sources = corpus_sources(cfg["data"]["corpus"])
+    pattern = cfg["data"].get("pattern", "**/*.py")
+    train = [path for _, path in data.split_sources(sources, pattern)["train"]]
+    ds_dir = data.build_corpus(sources, os.path.join(work_dir, "tfds"), pattern)
+    return ds_dir, train
 
 
 def tokenized_windows(tok, ds_dir: str, split: str, seq_len: int, literal_specials: bool = False) -> np.ndarray:

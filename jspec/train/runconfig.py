@@ -55,7 +55,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]] | None]] = 
 _POSITIVE_INTS = {"data": ("seq_len", "batch_size"), "distill": ("num_prompts", "prompt_len", "new_tokens", "batch"),
                   "model": ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                             "num_kv_heads", "head_dim")}
-_STRINGS = {"data": ("corpus", "pattern"), "model": ("family",)}
+_STRINGS = {"data": ("pattern",), "model": ("family",)}
 
 
 def _name(section: str, key: str) -> str:
@@ -103,6 +103,11 @@ def check_run_config(cfg: dict, path: str, kind: str) -> None:
             v = cfg.get(section, {}).get(n)
             if v is not None and not isinstance(v, str):
                 problems.append(f"{section}.{n} must be a string, got {v!r}")
+    corpus = cfg.get("data", {}).get("corpus")
+    if corpus is not None and not (isinstance(corpus, str) and corpus or isinstance(corpus, list) and corpus
+                                   and all(isinstance(c, str) and c for c in corpus)):
+        problems.append("data.corpus must be a source or a list of sources (\"stdlib\", \"site-packages\" or a "
+                        f"folder), got {corpus!r}")
     seed = cfg.get("distill", {}).get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         problems.append(f"distill.seed must be an integer >= 0, got {seed!r}")
