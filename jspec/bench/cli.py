@@ -40,8 +40,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run (under 3 minutes on 2 CPU cores): 3 prompts x 64 tokens, 3 repeats, block sizes "
-                        "4,8, chains, T=0, verify widths 1,2,4,8,16,32, peer 2 prompts x 32 tokens")
+                   help="a short run (under 3 minutes on 2 shared CPU cores): 3 prompts x 64 tokens, 8 repeats, block "
+                        "sizes 4,8, chains, T=0, verify widths 1,2,4,8, peer 2 prompts x 32 tokens x 3 repeats")
     m = p.add_argument_group("what to measure (the product of the lists; impossible combinations are refused)")
     m.add_argument("--target", help="HF model directory or builtin:NAME (default builtin:code-target)")
     m.add_argument("--drafters", type=_names,
@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
     q.add_argument("--peer-prompts", type=int, help="prompts for the peer (default 4)")
     q.add_argument("--peer-new-tokens", type=int, help="tokens per prompt for the peer (default 64)")
+    q.add_argument("--peer-repeats", type=int, help="timed repeats of the peer (default: --repeats)")
     q.add_argument("--peer-block-size", type=int, help="draft tokens per round on both sides (default 4)")
     q.add_argument("--torch-threads", type=int, help="torch threads (default: the CPUs this process may use)")
     a = p.add_argument_group("accelerators")
