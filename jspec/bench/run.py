@@ -132,7 +132,8 @@ INTERVALS = {
     "tokens_per_s": "pooled: sum of tokens committed in the decode interval / sum of decode_s, all prompts and repeats",
     "speedup": "plain-AR decode_s / speculative decode_s, same prompts, seeds, cache size, temperature and repeats; "
                "ci95: percentile bootstrap of that pooled ratio over repeats (from 5 repeats)",
-    "round_s": "median over repeats of the repeat's decode_s / its loop iterations (batch 1: one round, or one AR step)",
+    "round_s": "median over repeats of the repeat's decode_s / its loop iterations (batch 1: one round, or one AR "
+               "step)",
     "verify_s": "one target pass over the anchor + n drafts (chains; trees timed as a chain of the same width), "
                 "inside a compiled loop of 32 (jspec.decode.profile), one row, at the cost context; timed once per "
                 "repeat right after that repeat's calls of the same method, median over repeats",
@@ -340,10 +341,10 @@ def _timed(runs, prompts, cfg: BenchConfig, tick, probes: dict) -> tuple[dict, d
             for row, values in zip(rows[run], (call_s, prefill_s, tokens, loops)):
                 row.append(values)
             probe = probes[run]
-            costs[run]["verify_s"].append(probe["verify"].seconds())
+            verify_s = probe["verify"].seconds()
+            costs[run]["verify_s"].append(verify_s)
             costs[run]["draft_s"].append(probe["draft"].seconds() if probe["draft"] else 0.0)
-            costs[run]["step_s"].append(probe["verify"].seconds() if probe["verify"] is probes["step"] else
-                                        probes["step"].seconds())
+            costs[run]["step_s"].append(verify_s if probe["verify"] is probes["step"] else probes["step"].seconds())
     return rows, costs
 
 

@@ -70,8 +70,9 @@ def measure(target_layers: int, draft_layers: tuple[int, ...], blocks: tuple[int
     rows = []
     for dl in draft_layers:
         for block in blocks:
-            dcfg = dfl.DFlashConfig(layers=dataclasses.replace(cfg, num_layers=dl), target_layer_ids=taps(target_layers),
-                                    num_target_layers=target_layers, mask_token_id=0, block_size=block)
+            dcfg = dfl.DFlashConfig(layers=dataclasses.replace(cfg, num_layers=dl),
+                                    target_layer_ids=taps(target_layers), num_target_layers=target_layers,
+                                    mask_token_id=0, block_size=block)
             drafter = (dfl.DFlash(cfg=dcfg), dfl.init_params(dcfg, jax.random.key(1)))
             round_s = per_iteration(lambda n: jspec.generate(target, [PROMPT], max_new_tokens=n, drafter=drafter,
                                                              verifier="greedy", **kw), repeats)

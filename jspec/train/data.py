@@ -2,9 +2,10 @@
 
 A corpus is one or more folders of text files (e.g. the Python standard library's source and the sources
 of the installed packages). The split is by file: a file's validation membership is a hash of its path
-relative to its folder, so it never changes when files or other folders are added. Sequences are packed: documents are tokenized, joined with the end-of-text token and cut
-into fixed-length windows; a grain MapDataset shuffles them with a fixed seed and batches them, and
-batch i is a pure function of (seed, i), which is what makes resuming exact.
+relative to its folder, so it never changes when files or other folders are added. Sequences are packed:
+documents are tokenized, joined with the end-of-text token and cut into fixed-length windows; a grain
+MapDataset shuffles them with a fixed seed and batches them, and batch i is a pure function of (seed, i),
+which is what makes resuming exact.
 """
 
 from __future__ import annotations
