@@ -6,8 +6,9 @@ optional init_std and reserved_tokens (special tokens the tokenizer reserves aft
 drafter run's has drafter (the family recipe's settings), data, distill, train and an optional init_std.
 The train section of both may also name an official checkpoint to start from ("init": PATH, as `jspec
 train --init PATH`). An unknown key (a typo such as "lerning_rate") or a missing required one is a
-ConfigError naming the file and every such key with its section, before a corpus is read or a model built. The drafter section's keys are the recipe's: which ones it reads is known only once it has built
-the drafter, so `jspec.train.distill.build_drafter` checks them (with `ReadKeys`).
+ConfigError naming the file and every such key with its section, before a corpus is read or a model built.
+The drafter section's keys are the recipe's: which ones it reads is known only once it has built the
+drafter, so `jspec.train.distill.build_drafter` checks them (with `ReadKeys`).
 """
 
 from __future__ import annotations
