@@ -14,21 +14,40 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # tests pass a folder of their own.
 os.environ["JSPEC_COMPILE_CACHE"] = "off"
 
+import shutil
 import tempfile
 
 import pytest
 
-# The suite itself shares one persistent compilation cache between its workers, fresh for each run: many
-# files compile the same programs (the same tiny target's loops, rules and drafters), and every file's
-# programs are freed when it ends (`_release_compiled_code`), so a later file, in any worker, loads them
-# instead of compiling them again. Set in this process only (the jax option, not the environment), so
-# the `jspec` commands that tests start keep their own cache settings. JSPEC_TEST_COMPILE_CACHE=off
-# compiles everything.
-if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "on").lower() != "off":
+# The suite shares one persistent compilation cache between its workers, fresh for each run and removed at
+# its end: many files compile the same programs (the same tiny target's loops, rules and drafters), and
+# every file's programs are freed when it ends (`_release_compiled_code`), so a later file, in any worker,
+# loads them instead of compiling them again (the full suite: about 0.5 GB). The controller makes the
+# folder before it starts the workers, which inherit its path. The jax option is set in the test processes
+# only, so the `jspec` commands that tests start keep their own cache settings.
+# JSPEC_TEST_COMPILE_CACHE=off compiles everything.
+_CACHE_ENV = "JSPEC_TEST_COMPILE_CACHE_DIR"
+_CACHE_KEY = pytest.StashKey[str]()  # the folder, in the process that made it
+
+
+def pytest_configure(config):
+    if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "on").lower() == "off":
+        return
     from jspec.platform import enable_compile_cache
 
-    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    enable_compile_cache(os.path.join(tempfile.gettempdir(), f"jspec-test-compile-cache-{_RUN}"))
+    path = os.environ.get(_CACHE_ENV)
+    if path is None:  # the controller, or a run without workers: this run's folder
+        path = tempfile.mkdtemp(prefix="jspec-test-compile-cache-")
+        os.environ[_CACHE_ENV] = path
+        config.stash[_CACHE_KEY] = path
+    enable_compile_cache(path)
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_CACHE_KEY, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        del os.environ[_CACHE_ENV]
 
 
 # `make test` runs the suite in pytest-xdist workers with --dist loadfile: one worker runs a whole test file, so
