@@ -4,7 +4,7 @@
 
 Random-weight Qwen3-shaped targets of the built-in models' width (hidden 256, MLP 768, 4096-token
 vocabulary, float32) at several depths, each with random-weight DFlash drafters of several depths (draft
-layers of the target's width, reading 3 target layers). Both compiled loops run for real, batch 1,
+layers of the target's width, reading up to 3 target layers). Both compiled loops run for real, batch 1,
 greedy: plain AR gives the token step, the speculative loop the round (verify pass, drafter pass, commit,
 rule, loop control). Shapes are static, so a round costs the same whatever it accepts, and random weights
 time it as well as trained ones. Each cost is the difference of two calls of different lengths divided by
@@ -40,7 +40,8 @@ SHORT, LONG = 16, 80  # new tokens of the two calls whose difference is timed
 
 
 def taps(layers: int) -> tuple[int, ...]:
-    """Three target layers spread over the depth, as DFlash's checkpoints read them."""
+    """Up to three target layers spread over the depth (1, the middle one, the second last), as DFlash's
+    checkpoints read them."""
     return tuple(sorted({1, layers // 2, layers - 2})) if layers >= 4 else tuple(range(layers))
 
 
@@ -65,7 +66,7 @@ def per_iteration(call, repeats: int) -> float:
 def measure(target_layers: int, draft_layers: tuple[int, ...], blocks: tuple[int, ...], repeats: int) -> list[dict]:
     cfg = dataclasses.replace(WIDTH, num_layers=target_layers)
     target = Target(cfg, init_params(cfg, jax.random.key(0), std=0.05), None, f"random:{target_layers}-layer")
-    kw = dict(eos_ids=[], cache_size=PROMPT.__len__() + LONG + 32)
+    kw = dict(eos_ids=[], cache_size=len(PROMPT) + LONG + 32)
     step_s = per_iteration(lambda n: jspec.generate(target, [PROMPT], max_new_tokens=n, **kw), repeats)
     rows = []
     for dl in draft_layers:
