@@ -72,7 +72,7 @@ class BenchConfig:
 QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=8,
              verify_widths=(1, 2, 4, 8), peer_prompts=2, peer_new_tokens=32, peer_repeats=3)
 """--quick: settings that keep the whole command under 3 minutes on 2 CPU cores while other work shares them
-(about 35 s alone; explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose torch
+(about 38 s alone; explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose torch
 threads suffer most from a shared machine, times 3."""
 
 
