@@ -26,7 +26,6 @@ import jspec
 from jspec.api import pack_prompts
 from jspec.decode import ar, profile, spec
 from jspec.drafters.base import GREEDY, DraftContext, Drafter
-from jspec.models import target as tm
 from jspec.verify.sampling import SamplingParams
 
 INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
@@ -99,10 +98,8 @@ def verify_probe(target, drafts: int, context: int, cache_size: int) -> Probe:
     """T(drafts): one target pass over the anchor and `drafts` tokens for one row with `context` committed
     rows, in a cache of cache_size + drafts + 1 rows (the rows the speculative loop allocates for that
     width); T(0) is one target token step."""
-    cache = tm.init_cache(target.cfg, 1, cache_size + drafts + 1, target.params["embed"].dtype)
-    pos = (context + jnp.arange(drafts + 1, dtype=jnp.int32))[None]
     return Probe(profile.timed_passes(target.cfg, INNER),
-                 (target.params, cache, jnp.zeros((1, drafts + 1), jnp.int32), pos))
+                 profile.verify_pass_args(target.params, target.cfg, 1, drafts, context, cache_size + drafts + 1))
 
 
 def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: int) -> float:

@@ -32,11 +32,16 @@ def verify_pass_seconds(params, cfg, batch: int, drafts: int, context: int, cach
 
     The weights are arguments of the timed program, not constants folded into it (a constant copy of
     a large model costs its size again in memory and makes the compile slow)."""
+    return median_seconds(timed_passes(cfg, inner), verify_pass_args(params, cfg, batch, drafts, context, cache_size),
+                          repeats, inner)
+
+
+def verify_pass_args(params, cfg, batch: int, drafts: int, context: int, cache_size: int) -> tuple:
+    """The arguments of `timed_passes` for passes over [anchor, `drafts` tokens] per row, `context` rows cached."""
     width = drafts + 1
     cache = tm.init_cache(cfg, batch, cache_size, params["embed"].dtype)
     pos = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
-    run = timed_passes(cfg, inner)
-    return median_seconds(run, (params, cache, jnp.zeros((batch, width), jnp.int32), pos), repeats, inner)
+    return params, cache, jnp.zeros((batch, width), jnp.int32), pos
 
 
 @functools.lru_cache(maxsize=None)
