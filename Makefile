@@ -44,17 +44,20 @@ bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop
 	$(PY) -m jspec.benchmarks.verify_cost
 
-# Retrain the built-in models from configs/ (about two hours on 2 CPU cores) and install them.
+# Retrain the built-in models from configs/ and install them (about 90 minutes on 2 CPU cores). The
+# drafters share the DFlash run's distilled sequences (same target, data and distill sections).
 builtin: $(VENV)/.base
 	$(VENV)/bin/jspec train target --config configs/code-target.json --out runs/code-target
 	$(VENV)/bin/jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
-	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark
+	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark \
+		--distilled runs/code-dflash
 	$(PY) -m jspec.train.upgrade runs/code-dflash/model runs/code-dflash2-init
 	$(VENV)/bin/jspec train dflash2 --init runs/code-dflash2-init --config configs/code-dflash2.json \
-		--target runs/code-target/model --out runs/code-dflash2
+		--target runs/code-target/model --out runs/code-dflash2 --distilled runs/code-dflash
 	$(VENV)/bin/jspec train eagle3 --config configs/code-eagle3.json --target runs/code-target/model \
-		--out runs/code-eagle3 --steps 200
-	$(VENV)/bin/jspec train mtp --config configs/code-mtp.json --target runs/code-target/model --out runs/code-mtp
+		--out runs/code-eagle3 --steps 200 --distilled runs/code-dflash
+	$(VENV)/bin/jspec train mtp --config configs/code-mtp.json --target runs/code-target/model --out runs/code-mtp \
+		--distilled runs/code-dflash
 	$(PY) -m jspec.train.builtin runs/code-target/model runs/code-dflash/model runs/code-dspark/model \
 		runs/code-dflash2/model runs/code-eagle3/model runs/code-mtp/model
 

@@ -6,7 +6,7 @@
                    [--drafter none|lookup|PATH] [--verifier greedy|speculative|block|gumbel]
                    [--block-size G] [--tree-budget N] [--mesh data=D,fsdp=F,model=M]
     jspec train    target|FAMILY --config JSON|builtin:NAME --out RUN_DIR [--init MODEL_DIR]
-                   [--mesh data=D,fsdp=F,model=M]
+                   [--mesh data=D,fsdp=F,model=M] [--distilled RUN_DIR]
     jspec convert  RUN_DIR OUT [--step N]   a training run's checkpoint, in its model's official format
     jspec convert  SRC OUT --q4 [--dtype bfloat16|float32]
     jspec demo     create a small random model in HF format, reload it and generate
@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "DFlash: z-lab; DSpark: DeepSpec; or builtin:NAME) instead of random parameters; its config "
                          "and tensors must be the run config's exactly (also \"init\" in the config's train section). "
                          "A run folder that has checkpoints resumes from them and ignores it")
+    tr.add_argument("--distilled", default=None, metavar="RUN_DIR",
+                    help="drafters: use the distilled sequences of another drafter run of the same target, data and "
+                         "distill sections instead of distilling them again (checked, refused on any difference)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bars (as --quiet, keeping the notes)")
     tr.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                     help="train the target on a device mesh of axes data, fsdp, model, e.g. data=2,fsdp=4 (data "
@@ -513,6 +516,9 @@ def cmd_train(args) -> int:
     if args.what == "target":
         from jspec.train import lm
 
+        if args.distilled:
+            raise ValueError("--distilled shares a drafter run's distilled sequences: drop it from `jspec train target`")
+
         model_dir = lm.pretrain_target(args.config, args.out, steps=args.steps, progress=_progress(args),
                                        mesh=_mesh(args), init=args.init)
     else:
@@ -521,7 +527,7 @@ def cmd_train(args) -> int:
         if not args.target:
             raise ValueError(f"training a {args.what} drafter needs --target PATH (the trained target model)")
         model_dir = distill.train_drafter(args.what, args.config, args.target, args.out, steps=args.steps,
-                                          progress=_progress(args), init=args.init)
+                                          progress=_progress(args), init=args.init, distilled=args.distilled)
     print(f"trained model written to {model_dir}")
     return 0
 

@@ -12,7 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import jspec
 from jspec.cli import main as cli_main
@@ -442,3 +442,37 @@ def test_validation_tau_is_the_loops_greedy_tau_on_held_out_prompts(work, target
     target_config = _target_config(str(work / "corpus"), eval_every=2)
     with pytest.raises(ConfigError, match="a target run has no drafter"):
         lm.load_run_config(_write(tmp_path / "t.json", target_config), "target")
+
+
+def test_a_drafter_run_shares_another_runs_distilled_sequences(drafter_runs, target_run, work, tmp_path):
+    """`--distilled RUN_DIR`: a DSpark run of the same target, data and distill sections takes DFlash's
+    sequences byte for byte (no corpus is built, nothing is distilled); any difference is refused by name."""
+    _, run = drafter_runs("dflash")
+    target_dir = os.path.join(target_run[1], "model")
+    identity = json.loads(open(os.path.join(run, "distilled.json")).read())
+    assert set(identity) == {"target_sha256", "data", "distill"} and "batch_size" not in identity["data"]
+    path = _write(tmp_path / "spark.json", _drafter_config(str(work / "corpus"), "dspark"))
+    out = tmp_path / "spark"
+    assert cli_main(["train", "dspark", "--config", path, "--target", target_dir, "--out", str(out),
+                     "--distilled", run, "--steps", "1", "--no-progress"]) == 0
+    for name in ("distilled.npz", "distilled.json"):
+        assert (out / name).read_bytes() == open(os.path.join(run, name), "rb").read()
+    assert not (out / "tfds" / "text_corpus").exists()  # the corpus was never read
+    # Another distill section, another target: refused before anything is written.
+    other = _drafter_config(str(work / "corpus"), "dspark")
+    other["distill"]["new_tokens"] = 6
+    with pytest.raises(ConfigError, match="distilled with another distill section than this run's"):
+        distill.train_drafter("dspark", _write(tmp_path / "o.json", other), target_dir, str(tmp_path / "o"),
+                              progress=False, distilled=run)
+    assert not (tmp_path / "o" / "distilled.npz").exists()
+    other_target = tmp_path / "t2"
+    shutil.copytree(target_dir, other_target)
+    weights = load_file(str(other_target / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1
+    save_file(weights, str(other_target / "model.safetensors"))
+    with pytest.raises(ConfigError, match="distilled with another target than this run's"):
+        distill.train_drafter("dspark", path, str(other_target), str(tmp_path / "t"), progress=False, distilled=run)
+    with pytest.raises(ConfigError, match="no distilled.npz there"):
+        distill.train_drafter("dspark", path, target_dir, str(tmp_path / "x"), progress=False,
+                              distilled=str(tmp_path))

@@ -8,6 +8,11 @@ Drafters learn what the target actually says: prompts are cut from the training 
 continues them with jspec's compiled generation (greedy and sampled halves), and the sequences are
 stored as a TFDS dataset; the drafter then trains on them with online target features.
 
+The distilled sequences depend on the target, the data section and the distill section only, so drafters
+of one target can share them: `distilled.json` beside `distilled.npz` records that identity, and a run
+started with `distilled=` (`jspec train ... --distilled RUN_DIR`) copies another run's sequences after
+checking that identity against its own; any difference is refused by name.
+
 The run config is checked whole before anything runs: its fixed sections by jspec.train.runconfig, the
 drafter section by `build_drafter` (the keys the family's recipe reads, and the drafter it builds checked
 against the target exactly as generation checks it: `Drafter.validate`). The run holds --out for its
@@ -17,9 +22,12 @@ duration, and the distilled data and the model folder are written whole or not a
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import logging
 import math
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -181,15 +189,56 @@ def _suggest(given, wanted) -> str:
     return f"; did you mean {', '.join(pairs)}?" if pairs else ""
 
 
+def distill_identity(target, cfg: dict) -> dict:
+    """What a run's distilled sequences depend on: a digest of the target's parameters and vocabulary, and
+    the run config's data and distill sections."""
+    h = hashlib.sha256()
+    for name, leaf in sorted(jax.tree_util.tree_leaves_with_path(target.params), key=lambda kv: str(kv[0])):
+        arr = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(name)}:{arr.dtype}:{arr.shape};".encode())
+        h.update(arr.tobytes())
+    if target.tokenizer is not None:
+        h.update(target.tokenizer.to_str().encode())
+    data_section = {k: v for k, v in cfg["data"].items() if k != "batch_size"}  # the training batch: not read here
+    return {"target_sha256": h.hexdigest(), "data": data_section, "distill": cfg["distill"]}
+
+
+def share_distilled(source: str, out_dir: str, identity: dict) -> None:
+    """Copy another run's distilled sequences (source: its run folder) into out_dir, after checking that
+    they were distilled for this run's target, data and distill sections."""
+    src_npz, src_json = (os.path.join(source, n) for n in ("distilled.npz", "distilled.json"))
+    if not os.path.exists(src_npz):
+        raise ConfigError(f"--distilled {source!r}: no distilled.npz there: pass the run folder of a drafter run "
+                          "that has distilled its sequences")
+    if not os.path.exists(src_json):
+        raise ConfigError(f"--distilled {source!r}: distilled.npz has no distilled.json beside it (a run of an "
+                          "older jspec), so what it was distilled from is unknown: drop --distilled")
+    with open(src_json) as f:
+        theirs = json.load(f)
+    differ = [k for k in sorted(set(identity) | set(theirs)) if identity.get(k) != theirs.get(k)]
+    if differ:
+        what = {"target_sha256": "target"}
+        raise ConfigError(f"--distilled {source!r}: its sequences were distilled with another "
+                          f"{', '.join(what.get(k, k + ' section') for k in differ)} than this run's; drop "
+                          "--distilled, or make the sections equal")
+    for name in ("distilled.npz", "distilled.json"):  # the identity last: it vouches for the sequences beside it
+        runfiles.atomic_file(os.path.join(out_dir, name), lambda tmp, name=name: shutil.copyfile(
+            os.path.join(source, name), tmp))
+    logger.info("distilled sequences shared from %s", source)
+
+
 def train_drafter(family_name: str, config_path: str, target_path: str, out_dir: str, steps: int | None = None,
-                  progress: bool = True, init: str | None = None) -> str:
+                  progress: bool = True, init: str | None = None, distilled: str | None = None) -> str:
     """Train a drafter of a registered family (its `TrainRecipe`) for the target; returns the model folder
     (written by the family's `save`, so `jspec.load_drafter` reads it back).
 
     init (or "init" in the config's train section; init wins): a checkpoint of the family in its official
     format that a new run starts from instead of random parameters (jspec.train.export.init_drafter_params:
     it must match the run config exactly). A run folder that has checkpoints resumes from them and ignores
-    it, saying so. The init path is not part of the run's fingerprint."""
+    it, saying so. The init path is not part of the run's fingerprint.
+
+    distilled: another drafter run's folder whose distilled sequences this run uses instead of distilling
+    its own (`share_distilled`: same target, data and distill sections, or refused)."""
     cfg = lm.load_run_config(config_path, "drafter")
     config_init = cfg["train"].pop("init", None)  # a start, not a setting: kept out of the fingerprint
     init = init if init is not None else config_init
@@ -209,17 +258,26 @@ def train_drafter(family_name: str, config_path: str, target_path: str, out_dir:
             else:
                 params = export.init_drafter_params(family_name, dr, params, init, target)
                 logger.info("%s: starting from the parameters of %s", fam.name, init)
-        return _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock)
+        return _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock, distilled)
 
 
-def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock) -> str:
+def _train(fam, dr, params, cfg, target, target_path, out_dir, steps, progress, lock, distilled=None) -> str:
     recipe = fam.recipe
     dist = cfg["distill"]
     npz = os.path.join(out_dir, "distilled.npz")
     if not os.path.exists(npz):
-        ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
-        prompts = corpus_prompts(target, ds_dir, "train", dist["num_prompts"], dist["prompt_len"], dist.get("seed", 0))
-        self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz, progress=progress)
+        identity = distill_identity(target, cfg)
+        if distilled is not None:
+            share_distilled(distilled, out_dir, identity)
+        else:
+            ds_dir, _ = lm.prepare_text({"data": cfg["data"]}, out_dir)
+            prompts = corpus_prompts(target, ds_dir, "train", dist["num_prompts"], dist["prompt_len"],
+                                     dist.get("seed", 0))
+            self_distill(target, prompts, dist["new_tokens"], dist["batch"], dist.get("seed", 0), npz,
+                         progress=progress)
+            runfiles.atomic_text(os.path.join(out_dir, "distilled.json"), json.dumps(identity, indent=1))
+    elif distilled is not None:
+        logger.warning("%s already has distilled.npz: the run uses it and ignores --distilled %r", out_dir, distilled)
     tok_dir = data.build_token_dataset({"train": npz}, os.path.join(out_dir, "tfds"))
     arrays = data.padded_examples(data.read_split(tok_dir, "train"), dist["prompt_len"] + dist["new_tokens"])
     spec = drafter_loss(cfg["drafter"], own=recipe.own_loss)
