@@ -45,8 +45,10 @@ bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.verify_cost
 
 # Retrain the built-in models from configs/ and install them (about 90 minutes on 2 CPU cores). The
-# drafters share the DFlash run's distilled sequences (same target, data and distill sections).
-builtin: $(VENV)/.base
+# drafters share the DFlash run's distilled sequences (same target, data and distill sections). The
+# corpus's "site-packages" is this venv's: the test lock's packages, so that a fresh clone trains on the
+# same files.
+builtin: $(VENV)/.test
 	$(VENV)/bin/jspec train target --config configs/code-target.json --out runs/code-target
 	$(VENV)/bin/jspec train dflash --config configs/code-dflash.json --target runs/code-target/model --out runs/code-dflash
 	$(VENV)/bin/jspec train dspark --config configs/code-dspark.json --target runs/code-target/model --out runs/code-dspark \
