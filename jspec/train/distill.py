@@ -47,10 +47,15 @@ logger = logging.getLogger(__name__)
 
 def corpus_prompts(target, ds_dir: str, split: str, count: int, prompt_len: int, seed: int) -> list[list[int]]:
     """`count` prompts of prompt_len tokens cut at random places of the split's files."""
-    rng = np.random.default_rng(seed)
     docs = [d for d in (target.encode(ex["text"]) for ex in data.read_split(ds_dir, split)) if len(d) > prompt_len]
     if not docs:
         raise ValueError(f"no document of the {split!r} split is longer than {prompt_len} tokens")
+    return cut_prompts(docs, count, prompt_len, seed)
+
+
+def cut_prompts(docs: list[list[int]], count: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`count` windows of prompt_len tokens at random places of random documents (each longer than that)."""
+    rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         d = docs[rng.integers(len(docs))]
