@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
+DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n    "
 
 
 def _request_kwargs(args, mesh) -> dict:
