@@ -71,9 +71,9 @@ class BenchConfig:
 
 QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=8,
              verify_widths=(1, 2, 4, 8), peer_prompts=2, peer_new_tokens=32, peer_repeats=3)
-"""--quick: settings that keep the whole command under 3 minutes on 2 CPU cores while other work shares them
-(about 38 s alone; explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose torch
-threads suffer most from a shared machine, times 3."""
+"""--quick: a short run (builtin pair: about 90 s alone on 2 CPU cores, 6 minutes beside a test suite, half of
+it the peer; explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose torch threads
+suffer most from a shared machine, times 3."""
 
 
 def _check_settings(cfg: BenchConfig) -> None:
