@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import jspec
-from jspec.benchmarks.tau_table import held_out_prompts
+from jspec.benchmarks.tau_table import folder_prompts, held_out_prompts
 from jspec.verify.sampling import SamplingParams
 
 
@@ -67,8 +67,6 @@ def test_autoregressive_feature_drafters_reach_their_acceptance(setup):
 
 def test_folder_prompts_are_windows_of_the_folders_sources(setup, tmp_path):
     """--folder's prompts (out-of-corpus code): windows of the folder's .py files, fixed by the seed."""
-    from jspec.benchmarks.tau_table import folder_prompts
-
     target, _ = setup
     src = "def add(a, b):\n    return a + b\n\n" * 20
     (tmp_path / "m.py").write_text(src)
