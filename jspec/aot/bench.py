@@ -25,6 +25,7 @@ batch 8 / 32k the whole program (arguments + outputs + temp - aliased) fits the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -116,6 +117,44 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     target's matrices (embedding and LM head included) in affine Q4 group-64 form, multiplied by the
     Q4 matmul that `kernels` names (jspec.models.quant)."""
     import jax
+
+    dev = devices.aot_device(chip)
+    with jax.default_device(dev):
+        program = case_program(shape, case, kernels, q4)
+        lowered = program.loop.lower(*devices.abstract(program.args, dev))
+        start = time.perf_counter()
+        compiled = lowered.compile()
+    return compiled, {**program.info, "compile_s": time.perf_counter() - start}
+
+
+@functools.lru_cache(maxsize=2)
+def _random_weights(init, cfg, seed: int, index: int, dtype):
+    """init(cfg, key, dtype=dtype) on the default device, key from (seed, index); the last two are kept
+    (the cases of a run share the target's and the drafter's weights)."""
+    import jax
+
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    return jax.jit(lambda k: init(cfg, k, dtype=dtype))(key)
+
+
+@dataclasses.dataclass
+class Program:
+    """One case's decode loop: `loop(*args)` runs it (`args` = weights, static configs, then the
+    prompts, prompt lengths and seeds, in the loop's order); `info` holds the analytic sizes that
+    `ideal_bytes` and `score` read."""
+
+    loop: object
+    args: tuple
+    info: dict
+
+
+def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = False, seed: int | None = None,
+                 prompt_len: int = PROMPT_LEN) -> Program:
+    """The loop of `case` at `shape` (bf16 weights, prompts of `prompt_len` tokens, a cache of
+    `case.context` rows). Abstract weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed`
+    is given: then random weights and prompts from it, on the default device, to run for real (the
+    weights of the last seed and shape are kept for the next case)."""
+    import jax
     import jax.numpy as jnp
 
     from jspec.api import Target, prepare_drafter
@@ -124,9 +163,13 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     from jspec.models.transformer import init_params
 
     cfg = shapes()[shape]
-    dev = devices.aot_device(chip)
     dtype = jnp.bfloat16
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
+    def make(init, config, index):  # weights of one model: abstract, or random from (seed, index)
+        if seed is None:
+            return jax.eval_shape(lambda: init(config, jax.random.key(index), dtype=dtype))
+        return _random_weights(init, config, seed, index, dtype)
+
+    params = make(init_params, cfg, 0)
     if q4:
         from jspec.models import quant
         from jspec.models import target as tm
@@ -135,10 +178,13 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     sampling, verifier = _sampling(case.verifier)
     b = case.batch
     cache_size = case.context
-    dcfg = ar.DecodeConfig(max_new_tokens=cache_size - PROMPT_LEN, cache_size=cache_size, sampling=sampling,
+    dcfg = ar.DecodeConfig(max_new_tokens=cache_size - prompt_len, cache_size=cache_size, sampling=sampling,
                            eos_ids=tuple(cfg.eos_token_ids), attention=kernels)
-    inputs = (jax.ShapeDtypeStruct((b, PROMPT_LEN), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+    inputs = (jax.ShapeDtypeStruct((b, prompt_len), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
               jax.ShapeDtypeStruct((b,), jnp.uint32))
+    if seed is not None:
+        inputs = (jax.random.randint(jax.random.key(seed), (b, prompt_len), 0, cfg.vocab_size, jnp.int32),
+                  jnp.full((b,), prompt_len, jnp.int32), jnp.arange(b, dtype=jnp.uint32))
     row = kv_row_bytes(cfg, 2)
     smallest = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params) if x.ndim >= 2)
     embed = _nbytes(params["embed"])
@@ -146,35 +192,29 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     info = {"weights_target": _nbytes(params), "weights_drafter": 0, "embed_bytes": embed, "head_bytes": head,
             "tied_head": bool(cfg.tie_word_embeddings), "drafter_head_bytes": 0, "kv_row_bytes": row,
             "weight_min_bytes": min(1 << 20, smallest // 2), "weight_args": list(WEIGHT_ARGS)}
-    with jax.default_device(dev):
-        args = devices.abstract(inputs, dev)
-        p_abs = devices.abstract(params, dev)
-        if case.loop == "ar":
-            lowered = ar.generate_ar.lower(p_abs, cfg, dcfg, *args)
-            width, d_rows, d_row = 1, 0, 0
-            cache_bytes = b * dcfg.cache_rows * row
-        else:
-            dc = dflash_config(cfg)
-            dparams = jax.eval_shape(lambda: dflash.init_params(dc, jax.random.key(1), dtype=dtype))
-            target = Target(cfg, params, None, f"random:{shape}")
-            dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, kernels=kernels,
-                                                                 tree_budget=case.tree), dparams),
-                                          sampling, verifier, BLOCK, case.tree, cache_size)
-            scfg = spec.SpecConfig(dcfg, verifier)
-            lowered = spec.generate_spec.lower(p_abs, devices.abstract(dparams, dev), cfg, dr, scfg, *args)
-            width = dr.num_drafts + 1
-            d_row = kv_row_bytes(dc.layers, 2)
-            d_rows = dr.max_depth + 1  # the drafter commits at most the accepted path and the anchor
-            info["weights_drafter"] = _nbytes(dparams)
-            # DFlash turns its draft slots into logits with the target's (shared) LM head: one more
-            # read of the head per round, which the drafter needs.
-            info["drafter_head_bytes"] = head
-            cache_bytes = b * (dataclasses.replace(dcfg, scratch_rows=width).cache_rows * row + (cache_size + width) * d_row)
-        start = time.perf_counter()
-        compiled = lowered.compile()
-    info.update(compile_s=time.perf_counter() - start, width=width, cache_bytes=cache_bytes,
-                kv_ideal=b * case.context * (row + d_row), writes_ideal=b * (width * row + d_rows * d_row))
-    return compiled, info
+    if case.loop == "ar":
+        program = Program(ar.generate_ar, (params, cfg, dcfg, *inputs), info)
+        width, d_rows, d_row = 1, 0, 0
+        cache_bytes = b * dcfg.cache_rows * row
+    else:
+        dc = dflash_config(cfg)
+        dparams = make(dflash.init_params, dc, 1)
+        target = Target(cfg, params, None, f"random:{shape}")
+        dr, dparams = prepare_drafter(target, (dflash.DFlash(cfg=dc, kernels=kernels, tree_budget=case.tree), dparams),
+                                      sampling, verifier, BLOCK, case.tree, cache_size)
+        program = Program(spec.generate_spec, (params, dparams, cfg, dr, spec.SpecConfig(dcfg, verifier), *inputs),
+                          info)
+        width = dr.num_drafts + 1
+        d_row = kv_row_bytes(dc.layers, 2)
+        d_rows = dr.max_depth + 1  # the drafter commits at most the accepted path and the anchor
+        info["weights_drafter"] = _nbytes(dparams)
+        # DFlash turns its draft slots into logits with the target's (shared) LM head: one more
+        # read of the head per round, which the drafter needs.
+        info["drafter_head_bytes"] = head
+        cache_bytes = b * (dataclasses.replace(dcfg, scratch_rows=width).cache_rows * row + (cache_size + width) * d_row)
+    info.update(width=width, cache_bytes=cache_bytes, kv_ideal=b * case.context * (row + d_row),
+                writes_ideal=b * (width * row + d_rows * d_row))
+    return program
 
 
 def ideal_bytes(info: dict) -> dict:
