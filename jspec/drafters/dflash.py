@@ -176,7 +176,7 @@ def feature_kv(params: dict, cfg: DFlashConfig, h_ctx: jax.Array, positions: jax
 
 def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                  anchor_pos: jax.Array, block_tokens: jax.Array, kernels: str = "reference",
-                 kv_chunk: int | None = None) -> jax.Array:
+                 kv_chunk: int | str | None = None) -> jax.Array:
     """Final-normed hidden states [B, A, W, H] of A blocks per row in one pass (training uses many).
 
     block_tokens [B, A, W]: block a sits at positions anchor_pos[b, a] + (0..W-1).

@@ -194,7 +194,7 @@ def block_conv(x: jax.Array, dyn: jax.Array, base: jax.Array, group: int) -> jax
 
 
 def draft_layer(h, lp, cp, ctx_k, ctx_v, anchor_pos, window, cfg: DFlash2Config, causal: bool,
-                kv_chunk: int | None) -> jax.Array:
+                kv_chunk: int | str | None) -> jax.Array:
     """One DFlash2 draft layer: [B, A, W, H] (arguments as `jspec.kernels.draft.ref_draft_layer`; cp: the
     layer's convolutions)."""
     lc, g = cfg.backbone.layers, cfg.conv_group_size
@@ -210,7 +210,7 @@ def draft_layer(h, lp, cp, ctx_k, ctx_v, anchor_pos, window, cfg: DFlash2Config,
 
 
 def draft_blocks(params: dict, cfg: DFlash2Config, embed, ctx_k, ctx_v, anchor_pos, block_tokens,
-                 kv_chunk: int | None = None) -> jax.Array:
+                 kv_chunk: int | str | None = None) -> jax.Array:
     """Final-normed hidden states [B, A, W, H] of A blocks per row (as `dflash.draft_blocks`)."""
     b = cfg.backbone
     h = dflash.block_embeddings(b, embed, block_tokens)

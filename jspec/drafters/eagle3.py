@@ -75,7 +75,7 @@ from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config, required, write_checkpoint
 from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.models import quant
-from jspec.models.attention import KV_CHUNK, empty_softmax_stats, online_softmax_step, write_block
+from jspec.models.attention import KV_CHUNK, chunk_rows, empty_softmax_stats, online_softmax_step, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.models.layers import linear, lm_logits, rms_norm, rope, swiglu
@@ -262,9 +262,9 @@ def to_target(logits: jax.Array, index: jax.Array) -> jax.Array:
 def attend(q, k_cache, v_cache, limit, extra=None):
     """Attention output [B, T, Hq, Dh] of q [B, T, Hq, Dh] over cache rows r < limit [B, T] of
     k/v_cache [B, Hkv, S, Dh] and, optionally, extra = (k, v [B, E, Hkv, Dh], visible [B, T, E]) keys
-    outside the cache (a tree's expanded nodes). The cache is read in chunks of KV_CHUNK rows up to the
-    highest limit (an online softmax in float32); value rows no query may see are zeroed, so whatever
-    they hold cannot leak. A query that sees nothing gets zeros."""
+    outside the cache (a tree's expanded nodes). The cache is read in chunks of `chunk_rows(KV_CHUNK)`
+    rows up to the highest limit (an online softmax in float32); value rows no query may see are zeroed,
+    so whatever they hold cannot leak. A query that sees nothing gets zeros."""
     b, t, hq, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
@@ -284,12 +284,12 @@ def attend(q, k_cache, v_cache, limit, extra=None):
         return fold(stats, keys, vals, mask)
 
     stats = empty_softmax_stats((b, hkv, hq // hkv, t), dh)
-    if s <= KV_CHUNK:
+    c = chunk_rows(KV_CHUNK)
+    if s <= c:
         stats = chunk(stats, 0, s, 0)
     else:
-        n = jnp.clip(-(-jnp.max(limit) // KV_CHUNK), 1, -(-s // KV_CHUNK))
-        stats = jax.lax.fori_loop(
-            0, n, lambda i, st: chunk(st, jnp.minimum(i * KV_CHUNK, s - KV_CHUNK), KV_CHUNK, i * KV_CHUNK), stats)
+        n = jnp.clip(-(-jnp.max(limit) // c), 1, -(-s // c))
+        stats = jax.lax.fori_loop(0, n, lambda i, st: chunk(st, jnp.minimum(i * c, s - c), c, i * c), stats)
     if extra is not None:
         ek, ev, visible = extra
         stats = fold(stats, jnp.swapaxes(ek, 1, 2), jnp.swapaxes(ev, 1, 2), visible)

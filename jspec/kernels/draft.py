@@ -64,7 +64,7 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
-from jspec.models.attention import empty_softmax_stats, online_softmax_step
+from jspec.models.attention import chunk_rows, empty_softmax_stats, online_softmax_step
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
 
@@ -80,7 +80,7 @@ def block_visible(q_slot, k_slot, window, causal: bool):
     return near & ((window == 0) | (k_slot - q_slot < window))
 
 
-def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None,
+def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | str | None = None,
                     causal: bool = False) -> jax.Array:
     """One DFlash draft layer in pure jnp, as `dflash.draft_blocks` computes it: [B, A, W, D].
 
@@ -94,11 +94,12 @@ def ref_draft_layer(h, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, k
     return h + swiglu(rms_norm(h, lp["mlp_norm"], eps), lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
-def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig, kv_chunk: int | None = None,
-                        causal: bool = False) -> jax.Array:
+def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfig,
+                        kv_chunk: int | str | None = None, causal: bool = False) -> jax.Array:
     """The attention sublayer of a draft layer, o_proj included, residual not: [B, A, W, D] from the
     normed block inputs x [B, A, W, D] (queries and block keys / values; the context K / V come from
     ctx_k / ctx_v). Arguments as `ref_draft_layer`."""
+    kv_chunk = chunk_rows(kv_chunk)
     b, a, w, _ = x.shape
     x = x.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)

@@ -22,7 +22,23 @@ import jax.numpy as jnp
 
 from jspec.platform import compile_backend
 
-KV_CHUNK = 256  # cache rows per attention step: big enough to amortise the step, small enough to skip
+KV_CHUNK = "auto"  # the attention step of the compile backend (`chunk_rows`); an int asks for that many rows
+# Cache rows per attention step, by compile backend. On CPU, 256: big enough to amortise a step, small
+# enough that the trip count follows the valid context. On a GPU each step launches its own kernels, and
+# at 256 rows the launches, not the bytes, set a round's time: on an H200 at Qwen3-8B / context 4k
+# (`python -m jspec.benchmarks.device_round`), plain AR took 22.4 ms a token with 256-row steps and 5.85 ms
+# with 4096 (0.80 of the copy-bandwidth roofline), a DFlash-b16 round 30.0 and 10.4 ms. TPU keeps 256
+# (its figures are bytes from deviceless compiles, not times).
+KV_CHUNK_ROWS = {"cpu": 256, "gpu": 4096, "tpu": 256}
+
+
+def chunk_rows(kv_chunk: int | str | None) -> int | None:
+    """Rows per attention step: `kv_chunk` itself, or for KV_CHUNK the compile backend's (KV_CHUNK_ROWS)."""
+    if isinstance(kv_chunk, str):
+        if kv_chunk != KV_CHUNK:
+            raise ValueError(f"kv_chunk must be a number of rows, None or {KV_CHUNK!r}, got {kv_chunk!r}")
+        return KV_CHUNK_ROWS.get(compile_backend(), KV_CHUNK_ROWS["cpu"])
+    return kv_chunk
 
 
 def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
@@ -160,15 +176,17 @@ def _chunk_mask(rows, positions, cache_rows, ctx_len, new_vis, window):
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, cache_rows: jax.Array,
            ctx_len: jax.Array, tree_mask: jax.Array | None = None, window=0,
-           kv_chunk: int | None = KV_CHUNK) -> jax.Array:
+           kv_chunk: int | str | None = KV_CHUNK) -> jax.Array:
     """Attention output [B, T, Hq, Dh] (q's dtype) of q [B, T, Hq, Dh] over k/v_cache [B, Hkv, S, Dh].
 
     The pass's own K/V must already be written at cache_rows [B, T]. positions [B, T]; ctx_len [B];
     tree_mask [B, T, T] (query i may see new token k) or None for causal order by position; window: 0
     (full attention) or the sliding window, a Python int or a traced scalar.
-    kv_chunk: rows per step; None attends over all S rows in one block (static shapes, differentiable:
-    training passes whose every row is valid). A query that sees no row (padding) gets zeros.
+    kv_chunk: rows per step (KV_CHUNK: the compile backend's, `chunk_rows`); None attends over all S rows
+    in one block (static shapes, differentiable: training passes whose every row is valid). A query that
+    sees no row (padding) gets zeros.
     """
+    kv_chunk = chunk_rows(kv_chunk)
     b, t, hq, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, dh)

@@ -76,7 +76,7 @@ class ForwardOut(NamedTuple):
 
 
 def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, positions, cache_rows, ctx_len,
-           tree_mask, attention: str, kv_chunk: int | None):
+           tree_mask, attention: str, kv_chunk: int | str | None):
     """One decoder layer. h [B, T, D]; k_cache/v_cache [B, Hkv, S, Dh] for this layer."""
     b, t, _ = h.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -121,7 +121,7 @@ def forward(
     tree_mask: jax.Array | None = None,
     taps: tuple[int, ...] = (),
     attention: str = "reference",
-    kv_chunk: int | None = KV_CHUNK,
+    kv_chunk: int | str | None = KV_CHUNK,
 ) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
@@ -136,8 +136,9 @@ def forward(
     KERNEL_MAX_TOKENS tokens (decode and chain verification: the causal mask as the bitmask), so the
     cache is streamed once per KV head inside one kernel; longer passes (prefill) and "reference" use
     `jspec.models.attention.attend`.
-    kv_chunk: cache rows per attention step (`jspec.models.attention.attend`); None = one block over
-    the whole cache (training passes, which differentiate through it).
+    kv_chunk: cache rows per attention step (`jspec.models.attention.attend`; KV_CHUNK: the compile
+    backend's, `chunk_rows`); None = one block over the whole cache (training passes, which
+    differentiate through it).
 
     The layers run as an unrolled Python loop over per-layer weights: a `lax.scan` over stacked weights
     copies every sliced weight matrix before its matmul on XLA:CPU and XLA:GPU, and one over the cache
@@ -203,7 +204,7 @@ class DecoderLayer(nn.Module):
         return self.p
 
     def __call__(self, h, k_cache, v_cache, window: int, positions, cache_rows, ctx_len, tree_mask, attention: str,
-                 kv_chunk: int | None, inv_freq):
+                 kv_chunk: int | str | None, inv_freq):
         return _layer(self.cfg, inv_freq, h, self.p, k_cache, v_cache, window, positions, cache_rows, ctx_len,
                       tree_mask, attention, kv_chunk)
 
@@ -245,7 +246,7 @@ class Transformer(nn.Module):
         return self.embed, self.final_norm, self.layers.declare()
 
     def __call__(self, tokens, positions, cache: KVCache, ctx_len, cache_rows, tree_mask, taps: tuple[int, ...],
-                 attention: str, kv_chunk: int | None) -> ForwardOut:
+                 attention: str, kv_chunk: int | str | None) -> ForwardOut:
         cfg = self.cfg
         inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
         h = quant.embed_rows(self.embed, tokens)
