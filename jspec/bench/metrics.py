@@ -125,11 +125,12 @@ def round_costs(round_s: Sequence[float], verify_s: Sequence[float], draft_s: Se
                 target_step_s: Sequence[float]) -> dict:
     """A round's cost split from per-repeat measurements taken in the same repeats (same machine load):
     round_s[r] = the repeat's decode time / its loop iterations; verify_s[r] = one verify pass of the
-    round's width, draft_s[r] = one drafter pass, target_step_s[r] = T(0), one target token step.
+    round's width, draft_s[r] = the drafter's round (propose + commit), target_step_s[r] = T(0), one target
+    token step.
 
     Each value is the median over repeats; the shares are of the median round, and overhead is what the
-    round spends outside the verify and drafter passes (commit, the rule, sampling, loop control), so the
-    three shares sum to 1. Its per-repeat spread shows how stable that remainder is; a negative one
+    round spends outside the verify pass and the drafter (the rule, sampling, the target's commit, loop
+    control), so the three shares sum to 1. Its per-repeat spread shows how stable that remainder is; a negative one
     means the passes timed alone cost more than inside the loop (noise, or cache effects).
     """
     med = statistics.median

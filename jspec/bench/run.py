@@ -137,10 +137,11 @@ INTERVALS = {
     "verify_s": "one target pass over the anchor + n drafts (chains; trees timed as a chain of the same width), "
                 "inside a compiled loop of 32 (jspec.decode.profile), one row, at the cost context; timed once per "
                 "repeat right after that repeat's calls of the same method, median over repeats",
-    "draft_s": "one Drafter.propose for one row inside a compiled loop of 32, at the cost context, timed like verify_s",
+    "draft_s": "the drafter's round for one row: one Drafter.propose and one Drafter.commit (its update from the "
+               "verify pass), inside a compiled loop of 32, at the cost context, timed like verify_s",
     "c": "median over repeats of draft_s / T(0), T(0) = one target token step timed in the same repeat",
     "shares": "verify_share + draft_share + overhead_share = 1: the medians of verify_s and draft_s over the median "
-              "round_s; overhead = commit, rule, sampling and loop control",
+              "round_s; overhead = the rule, sampling, the target's commit (tokens, cache rows, stats) and loop control",
 }
 
 

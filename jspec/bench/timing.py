@@ -8,7 +8,9 @@
   cache rows, up to its result being ready. decode = call - prefill: the rounds.
 - The verify pass T(n): one target pass over the anchor and n drafts for one row, inside a compiled
   loop (no dispatch cost, `jspec.decode.profile`); T(0) is one target token step.
-- The drafter pass: one `Drafter.propose` for one row, inside a compiled loop the same way.
+- The drafter's round: one `Drafter.propose` and one `Drafter.commit` (the drafter's update from the
+  verify pass's taps and hidden states: DFlash's context projection and draft-layer K/V of the verify
+  rows) for one row, inside a compiled loop the same way.
 Both are `Probe`s: compiled once, then timed once per repeat beside that repeat's generation calls.
 """
 
@@ -25,7 +27,8 @@ import numpy as np
 import jspec
 from jspec.api import pack_prompts
 from jspec.decode import ar, profile, spec
-from jspec.drafters.base import GREEDY, DraftContext, Drafter
+from jspec.drafters.base import GREEDY, CommitInfo, DraftContext, Drafter
+from jspec.models import target as tm
 from jspec.verify.sampling import SamplingParams
 
 INNER = profile.INNER  # calls per timed compiled loop, as the verify profile uses
@@ -110,11 +113,13 @@ def verify_seconds(target, drafts: int, context: int, cache_size: int, repeats: 
 
 def drafter_probe(target, drafter: Drafter, dparams, context_tokens, cache_size: int,
                   sampling: SamplingParams = SamplingParams(0.0), policy: str = GREEDY) -> Probe:
-    """One `drafter.propose` for one row whose committed text is `context_tokens`, proposing under `policy`
-    (a rule's draft policy) with the served `sampling`.
+    """The drafter's work in one round for one row whose committed text is `context_tokens`: one
+    `drafter.propose` under `policy` (a rule's draft policy) with the served `sampling`, then one
+    `drafter.commit` of a verify pass's worth of taps and hidden states (zeros of the shapes the loop
+    passes; the commit's cost does not depend on their values or on how many tokens it keeps).
 
     The drafter state comes from the loop's own set-up (target prefill with the drafter's taps, then
-    `drafter.init`); INNER proposals then run in one compiled loop, each call's first draft becoming the
+    `drafter.init`); INNER rounds then run in one compiled loop, each proposal's first draft becoming the
     next call's anchor, so no call is loop-invariant and none is optimised away.
     """
     cfg = target.cfg
@@ -125,20 +130,35 @@ def drafter_probe(target, drafter: Drafter, dparams, context_tokens, cache_size:
     setup = loop_setup(cfg, drafter, dcfg)
 
     @jax.jit
-    def loop(params, dparams, dstate, tokens, length, seeds):
+    def loop(params, dparams, dstate, tokens, length, seeds, taps, hidden):
         rows = jnp.arange(tokens.shape[0])
 
         def step(_, carry):
             dstate, tokens = carry
             ctx = DraftContext(tokens, length, seeds, params, target_cfg=cfg, policy=policy, sampling=sampling)
             prop, dstate = drafter.propose(dparams, dstate, ctx)
-            return dstate, tokens.at[rows, length - 1].set(prop.tokens[:, 0])
+            tokens = tokens.at[rows, length - 1].set(prop.tokens[:, 0])
+            dstate = drafter.commit(dparams, dstate, CommitInfo(tokens, length, length + 1, taps, hidden))
+            return dstate, tokens
 
         return jax.lax.fori_loop(0, INNER, step, (dstate, tokens))[1]
 
     seeds = jnp.zeros((1,), jnp.uint32)
     core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
-    return Probe(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds))
+    taps, hidden = _verify_outputs(target, drafter, core)
+    return Probe(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds, taps, hidden))
+
+
+def _verify_outputs(target, drafter: Drafter, core):
+    """Zeros shaped as the (taps, hidden) a verify pass hands `drafter.commit` for `core`'s batch: the
+    anchor and the drafter's deepest path (taps None for a drafter that reads none)."""
+    width = drafter.max_depth + 1
+    tokens = jnp.zeros((core.tokens.shape[0], width), jnp.int32)
+    out = jax.eval_shape(lambda p, c: tm.forward(p, target.cfg, tokens, tokens, c, taps=drafter.taps),
+                         target.params, core.cache)
+    hidden, taps = out[0], out[2]
+    zeros = lambda a: None if a is None else jnp.zeros(a.shape, a.dtype)
+    return zeros(taps), zeros(hidden)
 
 
 def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:
