@@ -148,6 +148,34 @@ def test_one_block_attention_does_grow_with_cache_size():
     assert flops(4096) > 1.5 * flops(1024)
 
 
+def test_gpu_attention_steps_cut_the_cache_evenly():
+    """On GPU the default step cuts a loop's cache (a round size plus the verify rows) into equal steps,
+    so no step re-reads the rows of the one before; an explicit size and the other backends keep theirs."""
+    s = 4096 + 17
+    assert attention.step_rows(attention.KV_CHUNK, s, "gpu") == 2057  # 2 steps: 4114 rows for 4113
+    assert attention.step_rows(attention.KV_CHUNK, 4096, "gpu") == 4096
+    assert attention.step_rows(attention.KV_CHUNK, 32768 + 17, "gpu") == 3643  # 9 steps, 2 rows to spare
+    assert attention.step_rows(attention.KV_CHUNK, s, "cpu") == attention.step_rows(attention.KV_CHUNK, s, "tpu") == 256
+    assert attention.step_rows(300, s, "gpu") == 300 and attention.step_rows(None, s, "gpu") is None
+
+
+def test_attention_in_uneven_steps_equals_one_block():
+    """Steps that do not divide the cache (the last one clamped) give one block's attention, and rows
+    past the valid context (NaN here) are never read."""
+    b, t, hq, hkv, dh, s = 2, 5, 4, 2, 16, 100
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (b, t, hq, dh))
+    ctx = jnp.array([60, 83])
+    rows = ctx[:, None] + jnp.arange(t)[None]
+    valid = (jnp.arange(s)[None, :] < (ctx + t)[:, None])[:, None, :, None]
+    k = jnp.where(valid, jax.random.normal(keys[1], (b, hkv, s, dh)), jnp.nan)
+    v = jnp.where(valid, jax.random.normal(keys[2], (b, hkv, s, dh)), jnp.nan)
+    full = attention.attend(q, k, v, rows, rows, ctx, kv_chunk=None)
+    assert bool(jnp.all(jnp.isfinite(full)))
+    for step in (37, 51, 99):
+        assert jnp.allclose(attention.attend(q, k, v, rows, rows, ctx, kv_chunk=step), full, atol=1e-5)
+
+
 def test_the_flax_module_costs_nothing_in_the_compiled_pass():
     """`forward` applies the linen module; the optimized program equals the one of the layer functions
     called directly on the same parameter pytree (the module is only traced)."""

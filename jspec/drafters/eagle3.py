@@ -75,7 +75,7 @@ from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config, required, write_checkpoint
 from jspec.io.hf import assemble, check_tensors, declared_tensors, export_tensors, read_safetensors
 from jspec.models import quant
-from jspec.models.attention import KV_CHUNK, chunk_rows, empty_softmax_stats, online_softmax_step, write_block
+from jspec.models.attention import KV_CHUNK, empty_softmax_stats, online_softmax_step, step_rows, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.models.layers import linear, lm_logits, rms_norm, rope, swiglu
@@ -262,7 +262,7 @@ def to_target(logits: jax.Array, index: jax.Array) -> jax.Array:
 def attend(q, k_cache, v_cache, limit, extra=None):
     """Attention output [B, T, Hq, Dh] of q [B, T, Hq, Dh] over cache rows r < limit [B, T] of
     k/v_cache [B, Hkv, S, Dh] and, optionally, extra = (k, v [B, E, Hkv, Dh], visible [B, T, E]) keys
-    outside the cache (a tree's expanded nodes). The cache is read in chunks of `chunk_rows(KV_CHUNK)`
+    outside the cache (a tree's expanded nodes). The cache is read in chunks of `step_rows(KV_CHUNK, S)`
     rows up to the highest limit (an online softmax in float32); value rows no query may see are zeroed,
     so whatever they hold cannot leak. A query that sees nothing gets zeros."""
     b, t, hq, dh = q.shape
@@ -284,7 +284,7 @@ def attend(q, k_cache, v_cache, limit, extra=None):
         return fold(stats, keys, vals, mask)
 
     stats = empty_softmax_stats((b, hkv, hq // hkv, t), dh)
-    c = chunk_rows(KV_CHUNK)
+    c = step_rows(KV_CHUNK, s)
     if s <= c:
         stats = chunk(stats, 0, s, 0)
     else:

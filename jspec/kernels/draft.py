@@ -64,7 +64,7 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
-from jspec.models.attention import chunk_rows, empty_softmax_stats, online_softmax_step
+from jspec.models.attention import empty_softmax_stats, online_softmax_step, step_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
 
@@ -99,7 +99,7 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
     """The attention sublayer of a draft layer, o_proj included, residual not: [B, A, W, D] from the
     normed block inputs x [B, A, W, D] (queries and block keys / values; the context K / V come from
     ctx_k / ctx_v). Arguments as `ref_draft_layer`."""
-    kv_chunk = chunk_rows(kv_chunk)
+    kv_chunk = step_rows(kv_chunk, ctx_k.shape[1])
     b, a, w, _ = x.shape
     x = x.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)

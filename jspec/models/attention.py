@@ -30,15 +30,31 @@ KV_CHUNK = "auto"  # the attention step of the compile backend (`chunk_rows`); a
 # with 4096 (0.80 of the copy-bandwidth roofline), a DFlash-b16 round 30.0 and 10.4 ms. TPU keeps 256
 # (its figures are bytes from deviceless compiles, not times).
 KV_CHUNK_ROWS = {"cpu": 256, "gpu": 4096, "tpu": 256}
+EQUAL_STEPS = ("gpu",)  # backends whose default steps cut the cache evenly (`step_rows`)
 
 
-def chunk_rows(kv_chunk: int | str | None) -> int | None:
-    """Rows per attention step: `kv_chunk` itself, or for KV_CHUNK the compile backend's (KV_CHUNK_ROWS)."""
+def chunk_rows(kv_chunk: int | str | None, backend: str | None = None) -> int | None:
+    """Rows per attention step: `kv_chunk` itself, or for KV_CHUNK the backend's (KV_CHUNK_ROWS; default:
+    the compile backend)."""
     if isinstance(kv_chunk, str):
         if kv_chunk != KV_CHUNK:
             raise ValueError(f"kv_chunk must be a number of rows, None or {KV_CHUNK!r}, got {kv_chunk!r}")
-        return KV_CHUNK_ROWS.get(compile_backend(), KV_CHUNK_ROWS["cpu"])
+        return KV_CHUNK_ROWS.get(backend or compile_backend(), KV_CHUNK_ROWS["cpu"])
     return kv_chunk
+
+
+def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None) -> int | None:
+    """Rows per attention step over a cache of `size` rows: `chunk_rows(kv_chunk)`, except for the default
+    on a backend of EQUAL_STEPS, where the cache is cut into equal steps of at most that many rows. A
+    loop's cache is a round size plus the verify pass's rows (4096 + 17), so fixed 4096-row steps would
+    end in a second, clamped step that re-reads almost the whole context for the last rows; equal steps
+    (2 x 2057) read each row once. CPU and TPU keep fixed steps: their boundaries then do not depend on
+    the cache size, so plain and speculative decoding add up the same rows in the same order."""
+    backend = backend or compile_backend()
+    rows = chunk_rows(kv_chunk, backend)
+    if rows is None or size <= rows or kv_chunk != KV_CHUNK or backend not in EQUAL_STEPS:
+        return rows
+    return -(-size // -(-size // rows))
 
 
 def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
@@ -182,13 +198,13 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
     The pass's own K/V must already be written at cache_rows [B, T]. positions [B, T]; ctx_len [B];
     tree_mask [B, T, T] (query i may see new token k) or None for causal order by position; window: 0
     (full attention) or the sliding window, a Python int or a traced scalar.
-    kv_chunk: rows per step (KV_CHUNK: the compile backend's, `chunk_rows`); None attends over all S rows
+    kv_chunk: rows per step (KV_CHUNK: the compile backend's, `step_rows`); None attends over all S rows
     in one block (static shapes, differentiable: training passes whose every row is valid). A query that
     sees no row (padding) gets zeros.
     """
-    kv_chunk = chunk_rows(kv_chunk)
     b, t, hq, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
+    kv_chunk = step_rows(kv_chunk, s)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     new_vis = positions[:, None, :] <= positions[:, :, None] if tree_mask is None else tree_mask
     scale = dh**-0.5
