@@ -457,7 +457,7 @@ def generate(
     args = (jnp.asarray(packed), jnp.asarray(lens), jnp.asarray(seeds.astype(np.uint32)))
     params, fetch = target.params, jax.device_get
     if kernels is not None and quant.has_q4(params):  # Q4 matmuls: the Pallas kernel or the XLA reference
-        params = quant.with_kernel(params, resolve_kernels(kernels))
+        params = quant.with_kernel(params, resolve_kernels(kernels, q4=True))
     if mesh is not None:
         params = parallel.place_target(target, mesh).params
         args = parallel.shard_batch((packed, lens, seeds.astype(np.uint32)), mesh)

@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                          + ", builtin:NAME, or the folder of a drafter checkpoint: "
                          + "; ".join(f.summary for f in family.FAMILIES.values() if f.detect))
     sp.add_argument("--kernels", default="reference", choices=["reference", "pallas", "auto"],
-                    help="draft-layer and target-attention kernels (auto: Pallas on TPU/GPU, reference on CPU)")
+                    help="draft-layer and target-attention kernels (auto: Pallas on TPU, reference on CPU and "
+                         "GPU; Q4 matmuls: Pallas on TPU and GPU)")
     sp.add_argument("--verify-budget", action="store_true",
                     help="DSpark: profile the verify pass and verify only the drafts worth it (non-anticipating)")
     sp.add_argument("--compare", action="store_true",

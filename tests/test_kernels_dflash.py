@@ -67,7 +67,8 @@ def test_loop_with_pallas_drafter_equals_plain_decoding(setup):
 
 
 def test_kernel_flag_resolution(setup):
-    assert [resolve("auto", backend) for backend in ("cpu", "gpu", "tpu")] == ["reference", "pallas", "pallas"]
+    assert [resolve("auto", backend) for backend in ("cpu", "gpu", "tpu")] == ["reference", "reference", "pallas"]
+    assert [resolve("auto", backend, q4=True) for backend in ("cpu", "gpu", "tpu")] == ["reference", "pallas", "pallas"]
     assert resolve("pallas", "cpu") == "pallas" and resolve("reference", "tpu") == "reference"
     _, dcfg, dparams = setup
     ctx = jnp.zeros((2, 1, 16, 32))

@@ -14,14 +14,19 @@ KERNELS = ("reference", "pallas", "auto")
 IMPLS = ("tpu", "portable")
 
 
-def resolve(kernels: str, backend: str | None = None) -> str:
+def resolve(kernels: str, backend: str | None = None, *, q4: bool = False) -> str:
     """"reference" or "pallas" for a flag value; "auto" is the fastest correct choice for the backend:
-    the Pallas kernels on TPU and GPU, the jnp reference on CPU (where kernels only run interpreted)."""
+    the Pallas kernels on TPU; the jnp reference on CPU (where kernels only run interpreted) and, for the
+    draft layers and attention, on GPU, where XLA's fusions beat the portable kernels (an H200 at
+    Qwen3-8B / 4k, `python -m jspec.benchmarks.kernels --shape qwen3-8b --dtype bfloat16 --context
+    4096`: draft layer 0.321 vs 0.236 ms, tree attention 0.711 vs 0.150 ms). q4: the Q4 matmul, whose
+    kernel "auto" keeps on GPU too (the XLA reference materialises the float matrix there: 4x its bytes;
+    not timed on a GPU)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels setting {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels != "auto":
         return kernels
-    return "pallas" if (backend or compile_backend()) in ("tpu", "gpu") else "reference"
+    return "pallas" if (backend or compile_backend()) in (("tpu", "gpu") if q4 else ("tpu",)) else "reference"
 
 
 def use_pallas(kernels: str) -> bool:
