@@ -44,7 +44,7 @@ bench: $(VENV)/.base
 	$(PY) -m jspec.benchmarks.ar_loop
 	$(PY) -m jspec.benchmarks.verify_cost
 
-# Retrain the built-in models from configs/ and install them (about 90 minutes on 2 CPU cores). The
+# Retrain the built-in models from configs/ and install them (about 95 minutes on 2 CPU cores). The
 # drafters share the DFlash run's distilled sequences (same target, data and distill sections). The
 # corpus's "site-packages" is this venv's: the test lock's packages, so that a fresh clone trains on the
 # same files.

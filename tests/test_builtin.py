@@ -15,16 +15,22 @@ def setup():
     return target, held_out_prompts(target, 32, 48)
 
 
+_TAUS: dict = {}  # (drafter, sampling, verifier, block size) -> tau: a run that two tests read runs once
+
+
 def _tau(target, prompts, drafter, sampling, verifier, block_size=None):
-    res = jspec.generate(target, prompts, max_new_tokens=128, sampling=sampling, seeds=0, eos_ids=[],
-                         drafter=drafter, verifier=verifier, block_size=block_size)
-    return res.stats["tau"]
+    key = (drafter, sampling, verifier, block_size)
+    if key not in _TAUS:
+        res = jspec.generate(target, prompts, max_new_tokens=128, sampling=sampling, seeds=0, eos_ids=[],
+                             drafter=drafter, verifier=verifier, block_size=block_size)
+        _TAUS[key] = res.stats["tau"]
+    return _TAUS[key]
 
 
 def test_dflash_greedy_tau_at_block_8(setup):
-    """32 held-out prompts x 128 tokens, greedy (deterministic): tau >= 3.0 at block 8 (measured: 3.29)."""
+    """32 held-out prompts x 128 tokens, greedy (deterministic): tau >= 4.0 at block 8 (measured: 4.11)."""
     target, prompts = setup
-    assert _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy") >= 3.0
+    assert _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy") >= 4.0
 
 
 def test_dspark_greedy_tau_reaches_4_at_8_tokens_a_round(setup):
@@ -35,7 +41,7 @@ def test_dspark_greedy_tau_reaches_4_at_8_tokens_a_round(setup):
 
 
 def test_dspark_beats_dflash_at_temperature_1(setup):
-    """Same prompts, T = 1, speculative sampling, fixed seeds."""
+    """Same prompts, T = 1, speculative sampling, fixed seeds (measured: 2.65 vs 1.93)."""
     target, prompts = setup
     spark = _tau(target, prompts, "builtin:code-dspark", SamplingParams(1.0), "speculative")
     flash = _tau(target, prompts, "builtin:code-dflash", SamplingParams(1.0), "speculative")
@@ -49,11 +55,12 @@ def test_unknown_builtin_is_named():
 
 def test_dflash2_drafts_longer_greedy_chains_than_its_backbone(setup):
     """Same prompts, greedy: the built-in DFlash2 (the built-in DFlash's tensors plus the convolutions and
-    the pair selector, fine-tuned 400 steps: configs/code-dflash2.json) beats DFlash's tau (measured: 4.21 vs 3.29)."""
+    the pair selector, fine-tuned 400 steps: configs/code-dflash2.json) beats DFlash's tau (measured: 4.29 vs
+    4.11)."""
     target, prompts = setup
     two = _tau(target, prompts, "builtin:code-dflash2", SamplingParams(0.0), "greedy")
     one = _tau(target, prompts, "builtin:code-dflash", SamplingParams(0.0), "greedy")
-    assert two > one and two >= 3.9
+    assert two > one and two >= 4.1
 
 
 def test_autoregressive_feature_drafters_reach_their_acceptance(setup):
