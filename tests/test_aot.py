@@ -377,3 +377,26 @@ def test_bench_aot_real_loops_at_a_small_shape(chip, tmp_path):
     assert spec["ideal_drafter_head"] == tree["ideal_drafter_head"] == 1024 * 256 * 2
     assert plain["ideal_drafter_head"] == 0
     assert tree["ideal_writes"] > spec["ideal_writes"]
+
+
+def test_device_round_times_the_aot_loops_on_this_device(tmp_path):
+    """`jspec.benchmarks.device_round` runs the --aot programs for real (here: the CPU, the tiny shape) and
+    scores the program it timed: AR commits one token a loop step, so the two lengths differ by as many
+    steps as tokens; the ratios are the ones its columns define."""
+    from jspec.benchmarks import device_round
+
+    out = tmp_path / "rows.json"
+    assert device_round.main(["--shape", "tiny", "--cases", "ar-1-1k-greedy,chain-1-1k-greedy", "--repeats", "1",
+                              "--lengths", "8,24", "--bandwidth-gb", "0.05", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == ["ar B1 1k greedy", "chain B1 1k greedy"]
+    plain, chain = rows
+    assert plain["iterations"]["24"] - plain["iterations"]["8"] == 16
+    assert chain["iterations"]["24"] - chain["iterations"]["8"] >= 1
+    for r in rows:
+        assert r["round_s"] > 0 and r["hlo_bytes"] > 0 and 0 < r["ideal_bytes"]
+        assert r["hlo_ratio"] == pytest.approx(r["ideal_bytes"] / r["hlo_bytes"])
+        assert r["achieved"] == pytest.approx(r["ideal_bytes"] / (r["round_s"] * r["bandwidth"]))
+    assert chain["ideal_bytes"] > plain["ideal_bytes"]  # the drafter's weights and its head read
+    with pytest.raises(SystemExit, match="KIND-BATCH-CONTEXTk-VERIFIER"):
+        device_round.parse_case("chain-1-4096-greedy")

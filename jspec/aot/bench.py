@@ -153,7 +153,7 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
     """The loop of `case` at `shape` (bf16 weights, prompts of `prompt_len` tokens, a cache of
     `case.context` rows). Abstract weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed`
     is given: then random weights and prompts from it, on the default device, to run for real (the
-    weights of the last seed and shape are kept for the next case)."""
+    last two models' weights are kept for the next case)."""
     import jax
     import jax.numpy as jnp
 
@@ -164,6 +164,7 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
 
     cfg = shapes()[shape]
     dtype = jnp.bfloat16
+
     def make(init, config, index):  # weights of one model: abstract, or random from (seed, index)
         if seed is None:
             return jax.eval_shape(lambda: init(config, jax.random.key(index), dtype=dtype))

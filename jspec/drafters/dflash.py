@@ -186,9 +186,10 @@ def draft_blocks(params: dict, cfg: DFlashConfig, embed: jax.Array, ctx_k: jax.A
     apart: `jspec.kernels.draft.block_visible`); never another block. Rows no block may see are zeroed, so whatever
     they hold (rejected or unwritten memory) cannot leak.
     kernels: "reference" (the jnp layers below), "pallas" (the fused draft-layer kernels of
-    jspec.kernels.draft, same result) or "auto" (jspec.kernels.resolve: pallas on TPU / GPU).
-    kv_chunk: None reads every context row (training, differentiable); an int reads only the rows
-    up to the furthest anchor, in chunks (inference: cost follows the context, not the cache size).
+    jspec.kernels.draft, same result) or "auto" (jspec.kernels.resolve: pallas on TPU).
+    kv_chunk: None reads every context row (training, differentiable); a number of rows, or KV_CHUNK
+    (the backend's: `attention.step_rows`), reads only the rows up to the furthest anchor, in chunks
+    (inference: cost follows the context, not the cache size).
     """
     lc = cfg.layers
     h = block_embeddings(cfg, embed, block_tokens)
