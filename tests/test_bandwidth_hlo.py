@@ -157,6 +157,9 @@ def test_gpu_attention_steps_cut_the_cache_evenly():
     assert attention.step_rows(attention.KV_CHUNK, 32768 + 17, "gpu") == 3643  # 9 steps, 2 rows to spare
     assert attention.step_rows(attention.KV_CHUNK, s, "cpu") == attention.step_rows(attention.KV_CHUNK, s, "tpu") == 256
     assert attention.step_rows(300, s, "gpu") == 300 and attention.step_rows(None, s, "gpu") is None
+    # A long prefill's step shrinks with its query rows (bounded f32 scores), never below CPU's 256.
+    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=3968) == 1029  # 4 x 1029, at most 1057
+    assert attention.step_rows(attention.KV_CHUNK, 32768 + 64, "gpu", queries=32768) == 255  # 129 steps
 
 
 def test_attention_in_uneven_steps_equals_one_block():

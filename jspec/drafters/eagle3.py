@@ -284,7 +284,7 @@ def attend(q, k_cache, v_cache, limit, extra=None):
         return fold(stats, keys, vals, mask)
 
     stats = empty_softmax_stats((b, hkv, hq // hkv, t), dh)
-    c = step_rows(KV_CHUNK, s)
+    c = step_rows(KV_CHUNK, s, queries=t)
     if s <= c:
         stats = chunk(stats, 0, s, 0)
     else:

@@ -99,8 +99,8 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
     """The attention sublayer of a draft layer, o_proj included, residual not: [B, A, W, D] from the
     normed block inputs x [B, A, W, D] (queries and block keys / values; the context K / V come from
     ctx_k / ctx_v). Arguments as `ref_draft_layer`."""
-    kv_chunk = step_rows(kv_chunk, ctx_k.shape[1])
     b, a, w, _ = x.shape
+    kv_chunk = step_rows(kv_chunk, ctx_k.shape[1], queries=a * w)
     x = x.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
     inv_freq = jnp.asarray(default_rope_inv_freq(cfg))

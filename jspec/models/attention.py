@@ -31,6 +31,7 @@ KV_CHUNK = "auto"  # the attention step of the compile backend (`chunk_rows`); a
 # (its figures are bytes from deviceless compiles, not times).
 KV_CHUNK_ROWS = {"cpu": 256, "gpu": 4096, "tpu": 256}
 EQUAL_STEPS = ("gpu",)  # backends whose default steps cut the cache evenly (`step_rows`)
+STEP_SCORES = 1 << 22  # there, query rows x cache rows of one step at most (a long prefill's f32 scores)
 
 
 def chunk_rows(kv_chunk: int | str | None, backend: str | None = None) -> int | None:
@@ -43,16 +44,21 @@ def chunk_rows(kv_chunk: int | str | None, backend: str | None = None) -> int | 
     return kv_chunk
 
 
-def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None) -> int | None:
-    """Rows per attention step over a cache of `size` rows: `chunk_rows(kv_chunk)`, except for the default
-    on a backend of EQUAL_STEPS, where the cache is cut into equal steps of at most that many rows. A
-    loop's cache is a round size plus the verify pass's rows (4096 + 17), so fixed 4096-row steps would
-    end in a second, clamped step that re-reads almost the whole context for the last rows; equal steps
-    (2 x 2057) read each row once. CPU and TPU keep fixed steps: their boundaries then do not depend on
-    the cache size, so plain and speculative decoding add up the same rows in the same order."""
+def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None, queries: int = 1) -> int | None:
+    """Rows per attention step over a cache of `size` rows for `queries` query rows: `chunk_rows(kv_chunk)`,
+    except for the default on a backend of EQUAL_STEPS, where the cache is cut into equal steps of at
+    most that many rows. A loop's cache is a round size plus the verify pass's rows (4096 + 17), so fixed
+    4096-row steps would end in a second, clamped step that re-reads almost the whole context for the
+    last rows; equal steps (2 x 2057) read each row once. There a step also scores at most STEP_SCORES
+    (query, row) pairs, down to CPU's 256 rows: a 4k-token prefill takes ~1k-row steps, so its f32
+    scores stay within 512 MB at 32 heads. CPU and TPU keep fixed steps: their boundaries then do not
+    depend on the cache size, so plain and speculative decoding add up the same rows in the same order."""
     backend = backend or compile_backend()
     rows = chunk_rows(kv_chunk, backend)
-    if rows is None or size <= rows or kv_chunk != KV_CHUNK or backend not in EQUAL_STEPS:
+    if kv_chunk != KV_CHUNK or backend not in EQUAL_STEPS:
+        return rows
+    rows = min(rows, max(KV_CHUNK_ROWS["cpu"], STEP_SCORES // max(queries, 1)))
+    if size <= rows:
         return rows
     return -(-size // -(-size // rows))
 
@@ -204,7 +210,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
     """
     b, t, hq, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
-    kv_chunk = step_rows(kv_chunk, s)
+    kv_chunk = step_rows(kv_chunk, s, queries=t)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     new_vis = positions[:, None, :] <= positions[:, :, None] if tree_mask is None else tree_mask
     scale = dh**-0.5
