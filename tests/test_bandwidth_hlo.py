@@ -158,7 +158,8 @@ def test_gpu_attention_steps_cut_the_cache_evenly():
     assert attention.step_rows(attention.KV_CHUNK, s, "cpu") == attention.step_rows(attention.KV_CHUNK, s, "tpu") == 256
     assert attention.step_rows(300, s, "gpu") == 300 and attention.step_rows(None, s, "gpu") is None
     # A long prefill's step shrinks with its query rows (bounded f32 scores), never below CPU's 256.
-    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=3968) == 1029  # 4 x 1029, at most 1057
+    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=64) == 823  # 5 x 823, at most 1024
+    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=3968) == 242  # 17 x 242, at most 256
     assert attention.step_rows(attention.KV_CHUNK, 32768 + 64, "gpu", queries=32768) == 255  # 129 steps
 
 

@@ -31,7 +31,7 @@ KV_CHUNK = "auto"  # the attention step of the compile backend (`chunk_rows`); a
 # (its figures are bytes from deviceless compiles, not times).
 KV_CHUNK_ROWS = {"cpu": 256, "gpu": 4096, "tpu": 256}
 EQUAL_STEPS = ("gpu",)  # backends whose default steps cut the cache evenly (`step_rows`)
-STEP_SCORES = 1 << 22  # there, query rows x cache rows of one step at most (a long prefill's f32 scores)
+STEP_SCORES = 1 << 16  # there, query rows x cache rows of one step at most (a prefill's f32 scores)
 
 
 def chunk_rows(kv_chunk: int | str | None, backend: str | None = None) -> int | None:
@@ -50,8 +50,8 @@ def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None,
     most that many rows. A loop's cache is a round size plus the verify pass's rows (4096 + 17), so fixed
     4096-row steps would end in a second, clamped step that re-reads almost the whole context for the
     last rows; equal steps (2 x 2057) read each row once. There a step also scores at most STEP_SCORES
-    (query, row) pairs, down to CPU's 256 rows: a 4k-token prefill takes ~1k-row steps, so its f32
-    scores stay within 512 MB at 32 heads. CPU and TPU keep fixed steps: their boundaries then do not
+    (query, row) pairs, down to CPU's 256 rows: a 64-token prefill takes 1024-row steps, a 4k one 256,
+    so a prefill's f32 scores stay small (a verify pass of 17 rows keeps ~4k-row steps). CPU and TPU keep fixed steps: their boundaries then do not
     depend on the cache size, so plain and speculative decoding add up the same rows in the same order."""
     backend = backend or compile_backend()
     rows = chunk_rows(kv_chunk, backend)
