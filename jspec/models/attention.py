@@ -51,8 +51,9 @@ def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None,
     4096-row steps would end in a second, clamped step that re-reads almost the whole context for the
     last rows; equal steps (2 x 2057) read each row once. There a step also scores at most STEP_SCORES
     (query, row) pairs, down to CPU's 256 rows: a 64-token prefill takes 1024-row steps, a 4k one 256,
-    so a prefill's f32 scores stay small (a verify pass of 17 rows keeps ~4k-row steps). CPU and TPU keep fixed steps: their boundaries then do not
-    depend on the cache size, so plain and speculative decoding add up the same rows in the same order."""
+    so a prefill's f32 scores stay small (a verify pass of 17 rows keeps ~4k-row steps). CPU and TPU keep
+    fixed steps: their boundaries then do not depend on the cache size, so plain and speculative decoding
+    add up the same rows in the same order."""
     backend = backend or compile_backend()
     rows = chunk_rows(kv_chunk, backend)
     if kv_chunk != KV_CHUNK or backend not in EQUAL_STEPS:
