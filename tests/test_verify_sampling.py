@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jspec.verify import noise
-from jspec.verify.sampling import SamplingParams, gumbel_argmax, served_logprobs
+from jspec.verify.sampling import SamplingParams, first_argmax, gumbel_argmax, served_logprobs
 
 
 def _served(logits, **kw):
@@ -25,6 +25,17 @@ def test_temperature_zero_is_a_point_mass_on_the_first_argmax():
     logits = np.array([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]])
     out = _served(logits, temperature=0.0, top_k=2, top_p=0.3)
     np.testing.assert_array_equal(out, [[-np.inf, 0.0, -np.inf, -np.inf], [0.0, -np.inf, -np.inf, -np.inf]])
+
+
+def test_first_argmax_is_jnp_argmax():
+    """Ties (first index), -0.0 vs 0.0, all -inf rows, +inf, NaN (the first NaN) and random rows, compiled."""
+    rows = np.array([[0.5, 2.0, 2.0, -1.0], [-0.0, 0.0, -1.0, 0.0], [-np.inf] * 4, [1.0, np.inf, 3.0, np.inf],
+                     [1.0, np.nan, 5.0, np.nan], [np.nan, -np.inf, 2.0, 0.0]], np.float32)
+    rand = np.random.default_rng(1).integers(-3, 3, size=(64, 33)).astype(np.float32)  # many ties
+    for x in (rows, rand, rand.reshape(4, 16, 33)):
+        got = jax.jit(first_argmax)(jnp.asarray(x))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
 
 
 def test_temperature_scales_the_logits():

@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 from jspec.models import target as tm
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
-from jspec.verify.sampling import SamplingParams, Served, gumbel_argmax, log_softmax_at, served_logprobs
+from jspec.verify.sampling import SamplingParams, Served, first_argmax, gumbel_argmax, log_softmax_at, served_logprobs
 
 
 # Cache rows come in multiples of 16 (never read past the text, so they cost nothing but memory): with
@@ -192,7 +192,7 @@ def choose_tokens(logits: jax.Array, seeds: jax.Array, index: jax.Array, samplin
     """
     logp = served_logprobs(logits, sampling)
     if sampling.greedy:
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token = first_argmax(logits)
         return token, log_softmax_at(logits.astype(jnp.float32), token)
     token = gumbel_argmax(logp, noise.gumbel(seeds, index, noise.GUMBEL, vocab))
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jspec.models.config import ModelConfig
 from jspec.verify import noise
 from jspec.verify.rules import GREEDY, GUMBEL, SAMPLE  # how a drafter proposes: fixed by the verification rule
-from jspec.verify.sampling import SamplingParams, Served, gumbel_argmax, served_logprobs
+from jspec.verify.sampling import SamplingParams, Served, first_argmax, gumbel_argmax, served_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -170,7 +170,7 @@ class Drafter(abc.ABC):
         logp = served_logprobs(logits, ctx.sampling)
         vocab = logits.shape[-1]
         if ctx.policy == GREEDY:
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            token = first_argmax(logits)
         elif ctx.policy == GUMBEL:  # the target's own noise: coupling makes agreement likely
             token = gumbel_argmax(logp, noise.gumbel(ctx.seeds, index, noise.GUMBEL, vocab))
         else:

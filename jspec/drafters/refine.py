@@ -51,7 +51,7 @@ from jspec.errors import CheckpointError
 from jspec.io.drafters import read_config
 from jspec.train import drafter as train_drafter
 from jspec.train.runfiles import atomic_text
-from jspec.verify.sampling import served_logprobs
+from jspec.verify.sampling import first_argmax, served_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +245,7 @@ def edit_offline(target_params, target_cfg, drafter: DEdit, dparams, taps, token
         for _ in range(drafter.edit_passes + 1):
             inputs = reveal(cfg, anchor_tok, drafts, shown)
             logits = _logp(dparams, target_params, target_cfg, cfg, context, tokens, anchors, inputs)
-            drafts, shown = jnp.argmax(logits, axis=-1).astype(jnp.int32), drafter.num_drafts
+            drafts, shown = first_argmax(logits), drafter.num_drafts
         return logits, served_logprobs(logits, sampling)
     return blocks
 
