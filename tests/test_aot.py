@@ -394,7 +394,8 @@ def test_device_round_times_the_aot_loops_on_this_device(tmp_path):
     assert plain["iterations"]["24"] - plain["iterations"]["8"] == 16
     assert chain["iterations"]["24"] - chain["iterations"]["8"] >= 1
     for r in rows:
-        assert r["round_s"] > 0 and r["hlo_bytes"] > 0 and 0 < r["ideal_bytes"]
+        # a difference of two timings: its sign is the machine's load, not the code's (no timing asserted)
+        assert math.isfinite(r["round_s"]) and r["hlo_bytes"] > 0 and 0 < r["ideal_bytes"]
         assert r["hlo_ratio"] == pytest.approx(r["ideal_bytes"] / r["hlo_bytes"])
         assert r["achieved"] == pytest.approx(r["ideal_bytes"] / (r["round_s"] * r["bandwidth"]))
     assert chain["ideal_bytes"] > plain["ideal_bytes"]  # the drafter's weights and its head read
