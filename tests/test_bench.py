@@ -102,8 +102,12 @@ def test_rates_and_speedup_are_consistent(bench):
         assert cost["repeats"] == rep["settings"]["repeats"]
         assert cost["verify_share"] == pytest.approx(cost["verify_s"] / cost["round_s"])
         assert cost["draft_share"] == pytest.approx(cost["draft_s"] / cost["round_s"])
-        assert cost["verify_share"] + cost["draft_share"] + cost["overhead_share"] == pytest.approx(1.0)
-        assert cost["draft_s"] > 0 and cost["target_step_s"] > 0 and cost["c"] > 0
+        assert cost["contention_share"] == pytest.approx((cost["pair_s"] - cost["verify_s"] - cost["draft_s"])
+                                                         / cost["round_s"])
+        assert cost["overhead_share"] == pytest.approx(1 - cost["pair_s"] / cost["round_s"])
+        assert (cost["verify_share"] + cost["draft_share"] + cost["contention_share"] + cost["overhead_share"]
+                == pytest.approx(1.0))
+        assert cost["draft_s"] > 0 and cost["pair_s"] > 0 and cost["target_step_s"] > 0 and cost["c"] > 0
         # Per repeat the remainder can be anything on a tiny model (decode = call - prefill is noise-sized).
         assert cost["overhead_share_repeats"]["min"] <= cost["overhead_share_repeats"]["max"]
     assert rep["ar"][0]["cost"]["c"] is None and rep["ar"][0]["cost"]["draft_share"] == 0.0
@@ -154,7 +158,13 @@ def test_round_costs_by_hand():
     assert (cost["round_s"], cost["verify_s"], cost["draft_s"], cost["target_step_s"]) == (1.0, 0.5, 0.2, 0.25)
     assert cost["c"] == pytest.approx(1.0)  # per repeat 0.2/0.25, 0.3/0.3, 0.2/0.2: the median of 0.8, 1.0, 1.0
     assert cost["verify_share"] + cost["draft_share"] + cost["overhead_share"] == pytest.approx(1.0)
+    assert cost["contention_share"] == pytest.approx(0.0, abs=1e-12)  # no pair timed: the pair is taken as verify + draft
     assert cost["overhead_share_repeats"]["min"] == pytest.approx(0.25)
+    # Timed together, the pair costs 0.8, 0.95, 0.7: contention (0.8 - 0.5 - 0.2) / 1.0, overhead 1 - 0.8.
+    cost = metrics.round_costs([1.0, 1.2, 0.9], [0.5, 0.6, 0.4], [0.2, 0.3, 0.2], [0.25, 0.3, 0.2], [0.8, 0.95, 0.7])
+    assert cost["pair_s"] == 0.8
+    assert cost["contention_share"] == pytest.approx(0.1) and cost["overhead_share"] == pytest.approx(0.2)
+    assert cost["overhead_share_repeats"]["min"] == pytest.approx(0.2)  # (1.0 - 0.8) / 1.0, 0.25 / 1.2, 0.2 / 0.9
 
 
 def test_acceptance_metrics_by_hand():

@@ -122,21 +122,24 @@ def _decode(call_s, prefill_s) -> list[list[float]]:
 
 
 def round_costs(round_s: Sequence[float], verify_s: Sequence[float], draft_s: Sequence[float],
-                target_step_s: Sequence[float]) -> dict:
+                target_step_s: Sequence[float], pair_s: Sequence[float] | None = None) -> dict:
     """A round's cost split from per-repeat measurements taken in the same repeats (same machine load):
     round_s[r] = the repeat's decode time / its loop iterations; verify_s[r] = one verify pass of the
     round's width, draft_s[r] = the drafter's round (propose + commit), target_step_s[r] = T(0), one target
-    token step.
+    token step; pair_s[r] = the drafter's round and the verify pass run together (None: verify + draft).
 
-    Each value is the median over repeats; the shares are of the median round, and overhead is what the
-    round spends outside the verify pass and the drafter (the rule, sampling, the target's commit, loop
-    control), so the three shares sum to 1. Its per-repeat spread shows how stable that remainder is; a negative one
-    means the passes timed alone cost more than inside the loop (noise, or cache effects).
+    Each value is the median over repeats; the shares are of the median round and sum to 1: verify,
+    draft, contention (the pair together beyond the two apart: on a CPU, each evicting the other's weights
+    from the caches) and overhead, what the round spends beyond the pair (the rule, sampling, the target's
+    commit, statistics, loop control). The overhead's per-repeat spread shows how stable that remainder
+    is; a negative one means the passes timed alone cost more than inside the loop (noise, cache effects).
     """
     med = statistics.median
-    r, v, d, t0 = med(round_s), med(verify_s), med(draft_s), med(target_step_s)
-    per_repeat = [(rr - vv - dd) / rr for rr, vv, dd in zip(round_s, verify_s, draft_s)]
-    return {"round_s": r, "verify_s": v, "draft_s": d, "target_step_s": t0,
+    if pair_s is None:
+        pair_s = [v + d for v, d in zip(verify_s, draft_s)]
+    r, v, d, t0, pair = med(round_s), med(verify_s), med(draft_s), med(target_step_s), med(pair_s)
+    per_repeat = [(rr - pp) / rr for rr, pp in zip(round_s, pair_s)]
+    return {"round_s": r, "verify_s": v, "draft_s": d, "pair_s": pair, "target_step_s": t0,
             "c": med(dd / tt for dd, tt in zip(draft_s, target_step_s)) if any(draft_s) else None,
-            "verify_share": v / r, "draft_share": d / r, "overhead_share": (r - v - d) / r,
-            "overhead_share_repeats": spread(per_repeat), "repeats": len(round_s)}
+            "verify_share": v / r, "draft_share": d / r, "contention_share": (pair - v - d) / r,
+            "overhead_share": (r - pair) / r, "overhead_share_repeats": spread(per_repeat), "repeats": len(round_s)}

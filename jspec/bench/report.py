@@ -24,10 +24,11 @@ def _pct(x: float | None) -> str:
 
 def main_table(report: dict) -> str:
     """One row per run: tau, speedup over plain AR (pooled over prompts and repeats, with its 95% interval),
-    drafter cost c, and a round split into the verify pass, the drafter pass and the rest, all timed in the
-    same repeats (their shares sum to 100%); absolute rates only on an accelerator (DESIGN.md)."""
+    drafter cost c, and a round split into the verify pass, the drafter pass, their contention when run
+    together and the rest, all timed in the same repeats (their shares sum to 100%); absolute rates only on an accelerator (DESIGN.md)."""
     absolute = report["environment"]["accelerator"]
-    head = ["run", "tau", "speedup", "c", "verify / round", "draft / round", "overhead / round"]
+    head = ["run", "tau", "speedup", "c", "verify / round", "draft / round", "contention / round",
+            "overhead / round"]
     if absolute:
         head += ["tok/s", "ms / round"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -36,7 +37,8 @@ def main_table(report: dict) -> str:
         cells = [run["label"], f"{run['acceptance']['tau']:.2f}" if "acceptance" in run else "1.00",
                  _speedup(run["speedup"]) if "speedup" in run else "1",
                  f"{cost['c']:.2f}" if cost.get("c") is not None else "-",
-                 _pct(cost["verify_share"]), _pct(cost["draft_share"]), _pct(cost["overhead_share"])]
+                 _pct(cost["verify_share"]), _pct(cost["draft_share"]), _pct(cost["contention_share"]),
+                 _pct(cost["overhead_share"])]
         if absolute:
             cells += [f"{run['timing']['tokens_per_s']:.1f}", f"{1e3 * cost['round_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -70,10 +70,9 @@ class BenchConfig:
 
 
 QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=8,
-             verify_widths=(1, 2, 4, 8), peer_prompts=2, peer_new_tokens=32, peer_repeats=3)
-"""--quick: a short run (builtin pair: about 90 s alone on 2 CPU cores, 6 minutes beside a test suite, half of
-it the peer; explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose torch threads
-suffer most from a shared machine, times 3."""
+             verify_widths=(1, 4, 8), peer_prompts=1, peer_new_tokens=32, peer_repeats=2)
+"""--quick: a short run (explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose
+torch threads suffer most from a shared machine and whose ratios are far from 1, times one prompt twice."""
 
 
 def _check_settings(cfg: BenchConfig) -> None:
@@ -135,13 +134,17 @@ INTERVALS = {
     "round_s": "median over repeats of the repeat's decode_s / its loop iterations (batch 1: one round, or one AR "
                "step)",
     "verify_s": "one target pass over the anchor + n drafts (chains; trees timed as a chain of the same width), "
-                "inside a compiled loop of 32 (jspec.decode.profile), one row, at the cost context; timed once per "
-                "repeat right after that repeat's calls of the same method, median over repeats",
+                f"inside a compiled loop of {timing.INNER} (jspec.decode.profile), one row, at the cost context; timed "
+                "once per repeat right after that repeat's calls of the same method, median over repeats",
     "draft_s": "the drafter's round for one row: one Drafter.propose and one Drafter.commit (its update from the "
-               "verify pass), inside a compiled loop of 32, at the cost context, timed like verify_s",
+               f"verify pass), inside a compiled loop of {timing.INNER}, at the cost context, timed like verify_s",
     "c": "median over repeats of draft_s / T(0), T(0) = one target token step timed in the same repeat",
-    "shares": "verify_share + draft_share + overhead_share = 1: the medians of verify_s and draft_s over the median "
-              "round_s; overhead = the rule, sampling, the target's commit (tokens, cache rows, stats) and loop control",
+    "pair_s": "the drafter's round and the verify pass together (propose, the pass, the drafter's commit of its "
+              "output), in one compiled loop, timed like verify_s",
+    "shares": "verify_share + draft_share + contention_share + overhead_share = 1, of the median round_s: the "
+              "medians of verify_s and draft_s; contention = pair_s - verify_s - draft_s (the two evicting each "
+              "other's weights from the CPU's caches); overhead = round_s - pair_s: the rule, sampling, the target's "
+              "commit (tokens, cache rows), statistics and loop control",
 }
 
 
@@ -202,7 +205,7 @@ def run_bench(cfg: BenchConfig, target: Target | None = None) -> dict:
         context_tokens = _cost_context(prompts[0], ar_first[0], cfg.max_new_tokens // 2, cache_size)
         probes = _cost_probes(target, ar_runs, zip(plan, spec_runs), context_tokens, cache_size, tick)
         timed, costs = _timed(runs, prompts, cfg, tick, probes)
-        curve_repeats = min(5, max(3, cfg.repeats))  # compiled loops of 32 passes: steady from 3
+        curve_repeats = min(5, max(3, cfg.repeats))  # compiled loops of timing.INNER passes: steady from 3
         verify = {}
         for n in widths:
             verify[n] = timing.verify_seconds(target, n, len(context_tokens), cache_size, curve_repeats)
@@ -311,12 +314,13 @@ def _cost_probes(target, ar_runs: dict, planned, context_tokens, cache_size: int
             tick(f"verify pass n={n}")
         return verify[n]
 
-    probes = {run: {"verify": verify_probe(0), "draft": None} for run in ar_runs.values()}
+    probes = {run: {"verify": verify_probe(0), "draft": None, "pair": None} for run in ar_runs.values()}
     for p, run in planned:
-        draft = timing.drafter_probe(target, p.drafter, p.params, context_tokens, cache_size,
-                                     SamplingParams(p.combo.temperature), rules.get_rule(p.combo.verifier).draft_policy)
+        how = (SamplingParams(p.combo.temperature), rules.get_rule(p.combo.verifier).draft_policy)
+        draft = timing.drafter_probe(target, p.drafter, p.params, context_tokens, cache_size, *how)
+        pair = timing.pair_probe(target, p.drafter, p.params, context_tokens, cache_size, *how)
         tick(f"drafter pass {run.label}")
-        probes[run] = {"verify": verify_probe(p.drafter.num_drafts), "draft": draft}
+        probes[run] = {"verify": verify_probe(p.drafter.num_drafts), "draft": draft, "pair": pair}
     probes["step"] = verify_probe(0)
     return probes
 
@@ -327,7 +331,7 @@ def _timed(runs, prompts, cfg: BenchConfig, tick, probes: dict) -> tuple[dict, d
     repeat, and each method's cost probes run right after its calls, so a repeat's round time and the
     costs it is split into see the same machine load."""
     rows = {run: ([], [], [], []) for run in runs}
-    costs = {run: {"verify_s": [], "draft_s": [], "step_s": []} for run in runs}
+    costs = {run: {"verify_s": [], "draft_s": [], "pair_s": [], "step_s": []} for run in runs}
     for _ in range(cfg.repeats):
         for run in runs:
             call_s, prefill_s, tokens, loops = [], [], [], []
@@ -344,7 +348,9 @@ def _timed(runs, prompts, cfg: BenchConfig, tick, probes: dict) -> tuple[dict, d
             probe = probes[run]
             verify_s = probe["verify"].seconds()
             costs[run]["verify_s"].append(verify_s)
-            costs[run]["draft_s"].append(probe["draft"].seconds() if probe["draft"] else 0.0)
+            draft_s = probe["draft"].seconds() if probe["draft"] else 0.0
+            costs[run]["draft_s"].append(draft_s)
+            costs[run]["pair_s"].append(probe["pair"].seconds() if probe["pair"] else verify_s + draft_s)
             costs[run]["step_s"].append(verify_s if probe["verify"] is probes["step"] else probes["step"].seconds())
     return rows, costs
 
@@ -352,7 +358,7 @@ def _timed(runs, prompts, cfg: BenchConfig, tick, probes: dict) -> tuple[dict, d
 def _cost(rows, cost: dict) -> dict:
     call_s, prefill_s, _, loops = rows
     round_s = [(sum(c) - sum(p)) / sum(n) for c, p, n in zip(call_s, prefill_s, loops)]
-    return metrics.round_costs(round_s, cost["verify_s"], cost["draft_s"], cost["step_s"])
+    return metrics.round_costs(round_s, cost["verify_s"], cost["draft_s"], cost["step_s"], cost["pair_s"])
 
 
 def _ar_record(run, temperature: float, rows, cost: dict) -> dict:
