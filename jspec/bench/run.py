@@ -69,7 +69,7 @@ class BenchConfig:
     command: str | None = None
 
 
-QUICK = dict(block_sizes=(4, 8), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=8,
+QUICK = dict(block_sizes=(4,), tree_budgets=(0,), temperatures=(0.0,), prompts=3, max_new_tokens=64, repeats=8,
              verify_widths=(1, 4, 8), peer_prompts=1, peer_new_tokens=32, peer_repeats=2)
 """--quick: a short run (explicit options win). 8 repeats give the speedup a 95% interval; the peer, whose
 torch threads suffer most from a shared machine and whose ratios are far from 1, times one prompt twice."""
