@@ -125,11 +125,6 @@ def drafter_probe(target, drafter: Drafter, dparams, context_tokens, cache_size:
     next call's anchor, so no call is loop-invariant and none is optimised away.
     """
     cfg = target.cfg
-    dcfg = ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=sampling)
-    packed, lens = pack_prompts([list(context_tokens)], cfg.vocab_size)
-    if packed.shape[1] >= cache_size:
-        raise ValueError(f"a context of {packed.shape[1]} tokens does not fit the cache of {cache_size} rows")
-    setup = loop_setup(cfg, drafter, dcfg)
 
     @jax.jit
     def loop(params, dparams, dstate, tokens, length, seeds, taps, hidden):
@@ -145,8 +140,7 @@ def drafter_probe(target, drafter: Drafter, dparams, context_tokens, cache_size:
 
         return jax.lax.fori_loop(0, INNER, step, (dstate, tokens))[1]
 
-    seeds = jnp.zeros((1,), jnp.uint32)
-    core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
+    core, dstate, seeds = _loop_start(target, drafter, dparams, context_tokens, cache_size, sampling)
     taps, hidden = _verify_outputs(target, drafter, core)
     return Probe(loop, (target.params, dparams, dstate, core.tokens, core.length, seeds, taps, hidden))
 
@@ -162,11 +156,6 @@ def pair_probe(target, drafter: Drafter, dparams, context_tokens, cache_size: in
     beyond this probe is the rest of the loop: the rule, sampling, the target's commit, the statistics.
     """
     cfg = target.cfg
-    dcfg = ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=sampling)
-    packed, lens = pack_prompts([list(context_tokens)], cfg.vocab_size)
-    if packed.shape[1] >= cache_size:
-        raise ValueError(f"a context of {packed.shape[1]} tokens does not fit the cache of {cache_size} rows")
-    setup = loop_setup(cfg, drafter, dcfg)  # the loop's own cache: cache_size rows and the verify width's
     width = drafter.max_depth + 1  # the rows the drafter's commit reads: the anchor and its deepest path
 
     @jax.jit
@@ -190,9 +179,21 @@ def pair_probe(target, drafter: Drafter, dparams, context_tokens, cache_size: in
 
         return jax.lax.fori_loop(0, INNER, step, (dstate, cache, tokens))[2]
 
+    core, dstate, seeds = _loop_start(target, drafter, dparams, context_tokens, cache_size, sampling)
+    return Probe(loop, (target.params, dparams, dstate, core.cache, core.tokens, core.length, seeds))
+
+
+def _loop_start(target, drafter: Drafter, dparams, context_tokens, cache_size: int, sampling: SamplingParams):
+    """(loop state, drafter state, seeds) of one row whose committed text is `context_tokens`, from the
+    speculative loop's own set-up (`loop_setup`: its cache of cache_size rows and the verify width's)."""
+    cfg = target.cfg
+    packed, lens = pack_prompts([list(context_tokens)], cfg.vocab_size)
+    if packed.shape[1] >= cache_size:
+        raise ValueError(f"a context of {packed.shape[1]} tokens does not fit the cache of {cache_size} rows")
+    setup = loop_setup(cfg, drafter, ar.DecodeConfig(max_new_tokens=1, cache_size=cache_size, sampling=sampling))
     seeds = jnp.zeros((1,), jnp.uint32)
     core, dstate = setup(target.params, dparams, jnp.asarray(packed), jnp.asarray(lens), seeds)
-    return Probe(loop, (target.params, dparams, dstate, core.cache, core.tokens, core.length, seeds))
+    return core, dstate, seeds
 
 
 def _verify_outputs(target, drafter: Drafter, core):
