@@ -40,9 +40,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run (under a minute on 2 idle CPU cores, under 2.5 beside a test suite): 3 prompts x "
-                        "64 tokens, 8 repeats, block size 4, chains, T=0, verify widths 1,4,8, peer 1 prompt x 32 tokens "
-                        "x 2 repeats")
+                   help="a short run (under a minute on 2 idle CPU cores, under 2.5 minutes beside a test suite): 3 "
+                        "prompts x 64 tokens, 8 repeats, block size 4, chains, T=0, verify widths 1,4,8, peer 1 "
+                        "prompt x 32 tokens x 2 repeats")
     m = p.add_argument_group("what to measure (the product of the lists; impossible combinations are refused)")
     m.add_argument("--target", help="HF model directory or builtin:NAME (default builtin:code-target)")
     m.add_argument("--drafters", type=_names,

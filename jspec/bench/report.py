@@ -25,7 +25,8 @@ def _pct(x: float | None) -> str:
 def main_table(report: dict) -> str:
     """One row per run: tau, speedup over plain AR (pooled over prompts and repeats, with its 95% interval),
     drafter cost c, and a round split into the verify pass, the drafter pass, their contention when run
-    together and the rest, all timed in the same repeats (their shares sum to 100%); absolute rates only on an accelerator (DESIGN.md)."""
+    together and the rest, all timed in the same repeats (their shares sum to 100%); absolute rates only
+    on an accelerator (DESIGN.md)."""
     absolute = report["environment"]["accelerator"]
     head = ["run", "tau", "speedup", "c", "verify / round", "draft / round", "contention / round",
             "overhead / round"]
