@@ -158,9 +158,49 @@ def test_gpu_attention_steps_cut_the_cache_evenly():
     assert attention.step_rows(attention.KV_CHUNK, s, "cpu") == attention.step_rows(attention.KV_CHUNK, s, "tpu") == 256
     assert attention.step_rows(300, s, "gpu") == 300 and attention.step_rows(None, s, "gpu") is None
     # A long prefill's step shrinks with its query rows (bounded f32 scores), never below CPU's 256.
-    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=64) == 823  # 5 x 823, at most 1024
+    assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=64) == 1371  # 3 x 1371, at most 2048
     assert attention.step_rows(attention.KV_CHUNK, s, "gpu", queries=3968) == 242  # 17 x 242, at most 256
     assert attention.step_rows(attention.KV_CHUNK, 32768 + 64, "gpu", queries=32768) == 255  # 129 steps
+
+
+def test_gpu_static_steps():
+    """On GPU the default steps are unrolled with static bounds: whole steps of a multiple of 256 rows (at
+    most STEP_SCORES (query, row) pairs), the rest in a last one; one block when the cache fits a step,
+    and a loop for explicit sizes, other backends, or more than STATIC_STEPS steps."""
+    kv = attention.KV_CHUNK
+    assert attention.static_steps(kv, 4096 + 16, "gpu", queries=16) == ((0, 4096), (4096, 16))
+    assert attention.static_steps(kv, 4096 + 17, "gpu", queries=17) == ((0, 4096), (4096, 17))
+    assert attention.static_steps(kv, 4096 + 33, "gpu", queries=33) == ((0, 3840), (3840, 289))  # 131072 // 33
+    assert attention.static_steps(kv, 4096 + 64, "gpu", queries=64) == ((0, 2048), (2048, 2048), (4096, 64))
+    assert attention.static_steps(kv, 32768 + 1, "gpu") == tuple((i * 4096, 4096) for i in range(8)) + ((32768, 1),)
+    assert attention.static_steps(kv, 4096, "gpu") is None  # one block
+    assert attention.static_steps(kv, 65536 + 1, "gpu") is None  # 17 steps: the loop
+    assert attention.static_steps(300, 4113, "gpu") is None and attention.static_steps(kv, 4113, "cpu") is None
+
+
+def test_attention_in_static_steps_equals_one_block(monkeypatch):
+    """The unrolled path (forced here on CPU, with 32-row steps) gives one block's attention, never reads
+    the NaN rows past the valid context, and skips the steps no row can see."""
+    monkeypatch.setattr(attention, "STATIC_STEP_BACKENDS", ("cpu",))
+    monkeypatch.setattr(attention, "KV_CHUNK_ROWS", {**attention.KV_CHUNK_ROWS, "cpu": 32})
+    monkeypatch.setattr(attention, "STEP_ALIGN", 16)
+    b, t, hq, hkv, dh, s = 2, 5, 4, 2, 16, 100
+    assert attention.static_steps(attention.KV_CHUNK, s, queries=t) == ((0, 32), (32, 32), (64, 32), (96, 4))
+    keys = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(keys[0], (b, t, hq, dh))
+    for ctx in ([20, 27], [60, 83]):  # the first sees steps 0-1 only, the second steps 0-2
+        ctx = jnp.array(ctx)
+        rows = ctx[:, None] + jnp.arange(t)[None]
+        valid = (jnp.arange(s)[None, :] < (ctx + t)[:, None])[:, None, :, None]
+        k = jnp.where(valid, jax.random.normal(keys[1], (b, hkv, s, dh)), jnp.nan)
+        v = jnp.where(valid, jax.random.normal(keys[2], (b, hkv, s, dh)), jnp.nan)
+        for window in (0, 7):
+            full = attention.attend(q, k, v, rows, rows, ctx, window=window, kv_chunk=None)
+            stepped = jax.jit(lambda *a: attention.attend(*a, window=window))(q, k, v, rows, rows, ctx)
+            assert bool(jnp.all(jnp.isfinite(full)))
+            assert jnp.allclose(stepped, full, atol=1e-5)
+    text = jax.jit(lambda *a: attention.attend(*a)).lower(q, k, v, rows, rows, ctx).as_text()
+    assert text.count("stablehlo.case") + text.count("stablehlo.if") == 3  # steps 1-3 are conditional
 
 
 def test_attention_in_uneven_steps_equals_one_block():

@@ -97,6 +97,23 @@ def test_many_blocks_per_row_padded_slots_and_tiled_heads(kernel):
     assert_close(got, want, jnp.float32)
 
 
+def test_reference_in_static_steps_equals_one_block(monkeypatch):
+    """The reference's unrolled context steps (GPU's default, forced here on CPU with 16-row steps: 16,
+    16 and 5 rows) give the one-block layer; steps past every anchor are skipped, NaN rows never read."""
+    from jspec.models import attention
+
+    monkeypatch.setattr(attention, "STATIC_STEP_BACKENDS", ("cpu",))
+    monkeypatch.setattr(attention, "KV_CHUNK_ROWS", {**attention.KV_CHUNK_ROWS, "cpu": 16})
+    monkeypatch.setattr(attention, "STEP_ALIGN", 16)
+    assert attention.static_steps(attention.KV_CHUNK, CONTEXT, queries=8) == ((0, 16), (16, 16), (32, 5))
+    for anchors in ([[20], [30]], [[5], [9]], [[36], [2]]):
+        cfg, args = layer_inputs(8, 4, 2, jnp.float32, anchors=anchors)
+        for window in (0, 4):
+            want = jax.jit(lambda *a: ref_draft_layer(*a, jnp.int32(window), cfg))(*args)
+            got = jax.jit(lambda *a: ref_draft_layer(*a, jnp.int32(window), cfg, kv_chunk=attention.KV_CHUNK))(*args)
+            assert_close(got, want, jnp.float32)
+
+
 def test_gradients_flow_through_the_reference():
     """Under jax.grad the kernel's custom_vjp differentiates the reference (training support)."""
     cfg, (h, lp, ctx_k, ctx_v, anchors) = layer_inputs(8, 2, 2, jnp.float32, anchors=[[20], [30]])

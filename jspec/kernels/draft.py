@@ -64,7 +64,7 @@ from jspec.kernels import _tiles
 from jspec.kernels._backend import (GpuTiles, TpuTiles, gpu_tiles, kv_heads_per_step, largest_divisor_tile,
                                     pallas_setup, pow2_at_most, pow2_divisor, query_rows, require_pow2, round_up,
                                     tpu_tiles, vmem_limit)
-from jspec.models.attention import empty_softmax_stats, online_softmax_step, step_rows
+from jspec.models.attention import empty_softmax_stats, online_softmax_step, static_steps, step_rows
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.layers import linear, rms_norm, rope, rope_angles, swiglu
 
@@ -100,6 +100,7 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
     normed block inputs x [B, A, W, D] (queries and block keys / values; the context K / V come from
     ctx_k / ctx_v). Arguments as `ref_draft_layer`."""
     b, a, w, _ = x.shape
+    bounds = static_steps(kv_chunk, ctx_k.shape[1], queries=a * w)
     kv_chunk = step_rows(kv_chunk, ctx_k.shape[1], queries=a * w)
     x = x.reshape(b, a * w, -1)
     positions = (anchor_pos[:, :, None] + jnp.arange(w)[None, None]).reshape(b, a * w)
@@ -120,16 +121,21 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
     scale = dh**-0.5
 
     def context(start, size):
-        """Masked scores [B, Hkv, G, T, C] and zeroed-where-unseen values [B, C, Hkv, Dh] of rows start.."""
+        """Masked scores [B, Hkv, G, T, C] and zeroed-where-unseen values [B, C, Hkv, Dh] of rows start..
+        (a static slice for a Python int start: see `attention.STATIC_STEP_BACKENDS`). Keys need no
+        zeroing: an unseen row's score, NaN or not, is replaced by -inf."""
         rows = start + jnp.arange(size)
         mask = (rows[None, None, :] < anchors[:, :, None]) & (
             (window == 0) | (rows[None, None, :] >= positions[:, :, None] - (window - 1)))
         seen = jnp.any(mask, axis=1)  # [B, C]
-        rows_of = lambda c: jax.lax.dynamic_slice_in_dim(c, start, size, axis=1).reshape(b, size, hkv, dh)
-        keys = jnp.where(seen[:, :, None, None], rows_of(ctx_k), 0)
+        if isinstance(start, int):
+            rows_of = lambda c: jax.lax.slice_in_dim(c, start, start + size, axis=1).reshape(b, size, hkv, dh)
+        else:
+            rows_of = lambda c: jax.lax.dynamic_slice_in_dim(c, start, size, axis=1).reshape(b, size, hkv, dh)
         vals = jnp.where(seen[:, :, None, None], rows_of(ctx_v), 0)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
-        return jnp.where(mask[:, None, None], scores, -jnp.inf), vals
+        # Scores in the compute dtype out of the matmul, scaled in float32 (as `attention.attend`).
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, rows_of(ctx_k), preferred_element_type=q.dtype)
+        return jnp.where(mask[:, None, None], scores.astype(jnp.float32) * scale, -jnp.inf), vals
 
     block_scores = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
     block_scores = jnp.where(same_block[:, None, None], block_scores, -jnp.inf)
@@ -149,8 +155,18 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
             scores = jnp.where(start + jnp.arange(kv_chunk) >= i * kv_chunk, scores, -jnp.inf)  # clamped overlap
             return online_softmax_step(carry, scores, vals, pv_spec)
 
-        chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
-        _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
+        def static_step(start, size, carry):
+            return online_softmax_step(carry, *context(start, size), pv_spec)
+
+        if bounds is not None:  # unrolled; a step after the first that is past every anchor is skipped
+            stats = static_step(*bounds[0], stats)
+            for start, size in bounds[1:]:
+                stats = jax.lax.cond(start < jnp.max(anchor_pos), functools.partial(static_step, start, size),
+                                     lambda c: c, stats)
+            _, l, acc = stats
+        else:
+            chunks = jnp.clip(-(-jnp.max(anchor_pos) // kv_chunk), 0, -(-s // kv_chunk))
+            _, l, acc = jax.lax.fori_loop(0, chunks, step, stats)
         attn = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype).reshape(b, t, hq * dh)
     return linear(attn, lp["wo"]).reshape(b, a, w, -1)
 

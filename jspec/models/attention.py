@@ -17,6 +17,8 @@ their own index, new rows at their given position).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -31,7 +33,15 @@ KV_CHUNK = "auto"  # the attention step of the compile backend (`chunk_rows`); a
 # (its figures are bytes from deviceless compiles, not times).
 KV_CHUNK_ROWS = {"cpu": 256, "gpu": 4096, "tpu": 256}
 EQUAL_STEPS = ("gpu",)  # backends whose default steps cut the cache evenly (`step_rows`)
-STEP_SCORES = 1 << 16  # there, query rows x cache rows of one step at most (a prefill's f32 scores)
+# Backends whose default steps are unrolled with static bounds (`static_steps`), up to STATIC_STEPS of
+# them: XLA:GPU fuses a static slice of the cache into the GEMM that reads it, while the dynamic slice of
+# a `fori_loop` step is first copied out (the chunk's K and V written and read once more), and a chunk of
+# rows that is not a multiple of STEP_ALIGN is padded, K, V and probabilities copied again. On CPU and
+# TPU steps are 256 rows (many per cache) and stay a loop.
+STATIC_STEP_BACKENDS = ("gpu",)
+STATIC_STEPS = 16
+STEP_ALIGN = 256
+STEP_SCORES = 1 << 17  # there, query rows x cache rows of one step at most (a prefill's f32 scores)
 
 
 def chunk_rows(kv_chunk: int | str | None, backend: str | None = None) -> int | None:
@@ -50,8 +60,9 @@ def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None,
     most that many rows. A loop's cache is a round size plus the verify pass's rows (4096 + 17), so fixed
     4096-row steps would end in a second, clamped step that re-reads almost the whole context for the
     last rows; equal steps (2 x 2057) read each row once. There a step also scores at most STEP_SCORES
-    (query, row) pairs, down to CPU's 256 rows: a 64-token prefill takes 1024-row steps, a 4k one 256,
-    so a prefill's f32 scores stay small (a verify pass of 17 rows keeps ~4k-row steps). CPU and TPU keep
+    (query, row) pairs, down to CPU's 256 rows: a 64-token prefill takes 2048-row steps, a 4k one 256,
+    so a prefill's f32 scores stay small (a verify pass of up to 32 rows keeps 4k-row steps). Where
+    `static_steps` applies (a few steps), it sets the bounds instead. CPU and TPU keep
     fixed steps: their boundaries then do not depend on the cache size, so plain and speculative decoding
     add up the same rows in the same order."""
     backend = backend or compile_backend()
@@ -62,6 +73,25 @@ def step_rows(kv_chunk: int | str | None, size: int, backend: str | None = None,
     if size <= rows:
         return rows
     return -(-size // -(-size // rows))
+
+
+def static_steps(kv_chunk: int | str | None, size: int, backend: str | None = None,
+                 queries: int = 1) -> tuple[tuple[int, int], ...] | None:
+    """(start, rows) of each attention step over a cache of `size` rows, unrolled with static bounds, for
+    the default step on a backend of STATIC_STEP_BACKENDS; None where `attend` takes one block (the cache
+    fits a step) or loops. Steps of `chunk_rows` rows, or of at most STEP_SCORES (query, row) pairs, in
+    multiples of STEP_ALIGN rows; the last one takes the rest (4096 + 17 rows: 4096 and 17). Every
+    step after the first runs only if some row of the batch can see its first row, so the cost still
+    follows the valid context, a step at a time."""
+    backend = backend or compile_backend()
+    if kv_chunk != KV_CHUNK or backend not in STATIC_STEP_BACKENDS:
+        return None
+    rows = min(chunk_rows(kv_chunk, backend), max(KV_CHUNK_ROWS["cpu"], STEP_SCORES // max(queries, 1)))
+    rows = max(STEP_ALIGN, rows // STEP_ALIGN * STEP_ALIGN)
+    steps = -(-size // rows)
+    if steps <= 1 or steps > STATIC_STEPS:
+        return None
+    return tuple((i * rows, min(rows, size - i * rows)) for i in range(steps))
 
 
 def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
@@ -211,6 +241,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
     """
     b, t, hq, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
+    bounds = static_steps(kv_chunk, s, queries=t)
     kv_chunk = step_rows(kv_chunk, s, queries=t)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     new_vis = positions[:, None, :] <= positions[:, :, None] if tree_mask is None else tree_mask
@@ -224,10 +255,14 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
         if first_new_row is not None:  # a clamped last chunk overlaps rows already attended to
             fresh = rows >= first_new_row
             mask, valid = mask & fresh[None, None, :], valid & fresh[None, :]
-        keys = jax.lax.dynamic_slice_in_dim(k_cache, start, size, axis=2).astype(q.dtype)
-        vals = jax.lax.dynamic_slice_in_dim(v_cache, start, size, axis=2)
-        scores = jnp.einsum("btkgd,bkcd->bkgtc", qg, keys, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        if isinstance(start, int):  # a static slice (see STATIC_STEP_BACKENDS)
+            keys, vals = (jax.lax.slice_in_dim(c, start, start + size, axis=2) for c in (k_cache, v_cache))
+        else:
+            keys, vals = (jax.lax.dynamic_slice_in_dim(c, start, size, axis=2) for c in (k_cache, v_cache))
+        # Scores leave the matmul in the compute dtype (f32 accumulation inside it) and are scaled in
+        # float32 by their consumers: a bf16 model writes and reads them at half the bytes.
+        scores = jnp.einsum("btkgd,bkcd->bkgtc", qg, keys.astype(q.dtype), preferred_element_type=q.dtype)
+        scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32) * scale, -jnp.inf)
         vals = jnp.where(valid[:, None, :, None], vals, 0).astype(q.dtype)
         return scores, vals, jnp.any(mask, axis=-1)
 
@@ -241,7 +276,18 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
         scores, vals, _ = block(jnp.minimum(i * kv_chunk, s - kv_chunk), kv_chunk, i * kv_chunk)
         return online_softmax_step(carry, scores, vals, "bkgtc,bkcd->bkgtd")
 
+    def static_step(start, size, carry):
+        scores, vals, _ = block(start, size, None)
+        return online_softmax_step(carry, scores, vals, "bkgtc,bkcd->bkgtd")
+
     stats = empty_softmax_stats((b, hkv, hq // hkv, t), dh)
-    m, l, acc = jax.lax.fori_loop(0, num_chunks(ctx_len, cache_rows, s, kv_chunk), step, stats)
+    if bounds is not None:
+        visible = visible_rows(ctx_len, cache_rows)
+        stats = static_step(*bounds[0], stats)
+        for start, size in bounds[1:]:  # a step past every row's visible context is skipped
+            stats = jax.lax.cond(start < visible, functools.partial(static_step, start, size), lambda c: c, stats)
+        m, l, acc = stats
+    else:
+        m, l, acc = jax.lax.fori_loop(0, num_chunks(ctx_len, cache_rows, s, kv_chunk), step, stats)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [B, Hkv, G, T, Dh]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
