@@ -3,6 +3,7 @@ deviceless TPU / H200 compiles of the real loops through `jspec bench --aot` in 
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -348,7 +349,7 @@ def _aot_python() -> str:
 @pytest.mark.parametrize("chip", [pytest.param("tpu-v5p", marks=pytest.mark.slow), "h200"])
 def test_bench_aot_real_loops_at_a_small_shape(chip, tmp_path):
     out = tmp_path / "rows.json"
-    env = {**os.environ, **devices.aot_env(chip), "PYTHONPATH": REPO}
+    env = {**os.environ, **devices.aot_env(chip), "PYTHONPATH": REPO, "JSPEC_AOT_DUMP": str(tmp_path / "hlo")}
     proc = subprocess.run([_aot_python(), "-m", "jspec.cli", "bench", "--aot", chip, "--aot-shape", "tiny",
                            "--aot-quick", "--json", str(out)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
@@ -377,6 +378,15 @@ def test_bench_aot_real_loops_at_a_small_shape(chip, tmp_path):
     assert spec["ideal_drafter_head"] == tree["ideal_drafter_head"] == 1024 * 256 * 2
     assert plain["ideal_drafter_head"] == 0
     assert tree["ideal_writes"] > spec["ideal_writes"]
+    if chip == "h200":
+        # XLA:GPU once merged the drafter's 10 context K/V products (5 layers x wk, wv [128, 256], one
+        # shared input) by concatenating their weights into one [1280, 256] matrix every round.
+        with gzip.open(tmp_path / "hlo" / "h200_tiny_chain-B1-4k-greedy.hlo.gz", "rt") as f:
+            module = hlo_bytes.parse_module(f.read())
+        body = module.computations[hlo_bytes.find_decode_loop(module).attr("body")]
+        stacked = [i.name for i in body.instrs.values() if "concatenate" in i.name
+                   and getattr(i.shape, "dims", None) == (1280, 256)]
+        assert not stacked, stacked
 
 
 def test_device_round_times_the_aot_loops_on_this_device(tmp_path):
