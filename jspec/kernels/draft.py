@@ -122,8 +122,9 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
 
     def context(start, size):
         """Masked scores [B, Hkv, G, T, C] and zeroed-where-unseen values [B, C, Hkv, Dh] of rows start..
-        (a static slice for a Python int start: see `attention.STATIC_STEP_BACKENDS`). Keys need no
-        zeroing: an unseen row's score, NaN or not, is replaced by -inf."""
+        (a static slice for a Python int start: see `attention.STATIC_STEP_BACKENDS`). Chunked, keys need
+        no zeroing: an unseen row's score, NaN or not, is replaced by -inf; in one block (training) they
+        are zeroed, so that no gradient multiplies a NaN key by a zero cotangent."""
         rows = start + jnp.arange(size)
         mask = (rows[None, None, :] < anchors[:, :, None]) & (
             (window == 0) | (rows[None, None, :] >= positions[:, :, None] - (window - 1)))
@@ -133,8 +134,9 @@ def ref_block_attention(x, lp, ctx_k, ctx_v, anchor_pos, window, cfg: ModelConfi
         else:
             rows_of = lambda c: jax.lax.dynamic_slice_in_dim(c, start, size, axis=1).reshape(b, size, hkv, dh)
         vals = jnp.where(seen[:, :, None, None], rows_of(ctx_v), 0)
+        keys = rows_of(ctx_k) if kv_chunk is not None else jnp.where(seen[:, :, None, None], rows_of(ctx_k), 0)
         # Scores in the compute dtype out of the matmul, scaled in float32 (as `attention.attend`).
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, rows_of(ctx_k), preferred_element_type=q.dtype)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=q.dtype)
         return jnp.where(mask[:, None, None], scores.astype(jnp.float32) * scale, -jnp.inf), vals
 
     block_scores = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
