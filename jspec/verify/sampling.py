@@ -115,9 +115,11 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       strictly above x_k count, and there are fewer than k of them. So the largest float t* with
       c(t*) >= k compares equal to x_k, and `x >= t*` is exactly `x >= lax.top_k(x, k)[0][..., -1:]`:
       integer counting, no rounding anywhere.
-    - top-p: m(t) = fl(sum_i p_i [logp_i >= t]) over one materialised p = exp(logp), with one
-      reduction order for every t, is non-increasing in t (a float sum of non-negative terms is
-      monotone in each term). For the largest t* with m(t*) >= top_p, token i is kept iff
+    - top-p: m(t) = fl(sum_i p_i [logp_i >= t]) with p_i = exp(logp_i) over one materialised logp,
+      p taken in the search's one loop body (a materialised p would double the bytes of every pass):
+      the same instruction on the same value, so the same p_i for every t, and with one reduction
+      order for every t, m is non-increasing in t (a float sum of non-negative terms is monotone in
+      each term). For the largest t* with m(t*) >= top_p, token i is kept iff
       logp_i >= t* iff m(t) < top_p for the smallest float t above logp_i, and that m(t) is the
       mass of the tokens strictly more likely than i: the rule above, decided per value, so ties stay together.
       m(above the max) = 0 < top_p, so the most likely tokens are always kept; if rounding leaves
@@ -128,8 +130,11 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       sorted rule's own answer depends on how the backend lowers cumsum.
     - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
       fusion with different rounding, and a threshold taken from one copy then compared with
-      another can keep nothing. `lax.optimization_barrier` pins the scaled logits, logp and p to
-      single buffers that the search and the final mask both read.
+      another can keep nothing. `lax.optimization_barrier` pins the scaled logits and logp to
+      single buffers that the search and the final mask both read. Should a backend ever round p_i
+      differently between candidates, m would break monotonicity only within rounding at the boundary
+      (the disagreement already allowed above): the kept set is still {logp >= t*}, whole tie groups,
+      and never empty, since m(above the max) = 0 whatever p is.
     """
     if isinstance(params, SamplingParams):
         params = params.traced()
@@ -152,8 +157,7 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 def _keep_top_p(logits: jax.Array, logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(flush_subnormals(logp))
-    probs = jax.lax.optimization_barrier(jnp.exp(logp))
-    logits = jnp.where(logp >= _top_p_cut(logp, probs, top_p), logits, -jnp.inf)
+    logits = jnp.where(logp >= _top_p_cut(logp, top_p), logits, -jnp.inf)
     return jax.nn.log_softmax(logits, axis=-1)
 
 
@@ -168,13 +172,14 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _top_p_cut(logp: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[..., 1] float32: the largest t with sum(probs[logp >= t]) >= top_p (-inf if none); logp, probs
-    [..., V] with probs = exp(logp), both materialised by the caller."""
+def _top_p_cut(logp: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[..., 1] float32: the largest t with sum(exp(logp)[logp >= t]) >= top_p (-inf if none); logp
+    [..., V] materialised by the caller. Each pass reads logp alone and takes its exponential in the
+    search's one loop body (reading a materialised exp(logp) too would double the bytes)."""
     top_p = jnp.asarray(top_p, jnp.float32)
     return _bisect_threshold(
-        lambda t: jnp.sum(jnp.where(logp[..., None, :] >= t, probs[..., None, :], 0.0), axis=-1, keepdims=True)
-        >= top_p, logp.shape[:-1] + (1,))
+        lambda t: jnp.sum(jnp.where(logp[..., None, :] >= t, jnp.exp(logp)[..., None, :], 0.0), axis=-1,
+                          keepdims=True) >= top_p, logp.shape[:-1] + (1,))
 
 
 # int32 images (see _key_to_float) of -inf and +inf; the search never leaves this range, so it
