@@ -206,6 +206,87 @@ def test_walker_reads_weights_through_nested_bitcast_fusions():
     assert by_arg.op_names["body/y"] == "jit(f)/dot_general"
 
 
+# Split-K partial sums [4,128,384] f32, as XLA:GPU's GEMM emits them, consumed by kernels that each keep
+# a part of the sum (hand-written): the reduce over the splits runs before the slice, yet each output
+# element reads its own column of every partial, so a kernel reads only the columns its output needs.
+_PARTIALS_HLO = """
+HloModule partials
+
+%add_f32 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%k_fusion (p: f32[4,128,384], g: bf16[64]) -> bf16[128,64] {
+  %p = f32[4,128,384]{2,1,0} parameter(0)
+  %g = bf16[64]{0} parameter(1)
+  %zero = f32[] constant(0)
+  %sum = f32[128,384]{1,0} reduce(%p, %zero), dimensions={0}, to_apply=%add_f32
+  %cvt = bf16[128,384]{1,0} convert(%sum)
+  %k = bf16[128,64]{1,0} slice(%cvt), slice={[0:128], [256:320]}
+  %gb = bf16[128,64]{1,0} broadcast(%g), dimensions={1}
+  ROOT %m = bf16[128,64]{1,0} multiply(%k, %gb)
+}
+
+%all_fusion (q: f32[4,128,384], r: f32[4,128,384]) -> bf16[128,64] {
+  %q = f32[4,128,384]{2,1,0} parameter(0)
+  %r = f32[4,128,384]{2,1,0} parameter(1)
+  %zero.1 = f32[] constant(0)
+  %sum.1 = f32[128,384]{1,0} reduce(%q, %zero.1), dimensions={0}, to_apply=%add_f32
+  %tot = f32[128]{0} reduce(%sum.1, %zero.1), dimensions={1}, to_apply=%add_f32
+  %v = f32[128,64]{1,0} slice(%sum.1), slice={[0:128], [320:384]}
+  %tb = f32[128,64]{1,0} broadcast(%tot), dimensions={0}
+  %rs = f32[4,128,64]{2,1,0} slice(%r), slice={[0:4], [0:128], [0:64]}
+  %rt = f32[4,64,128]{2,1,0} transpose(%rs), dimensions={0,2,1}
+  %rd = f32[64,128]{1,0} reduce(%rt, %zero.1), dimensions={0}, to_apply=%add_f32
+  %rdt = f32[128,64]{1,0} transpose(%rd), dimensions={1,0}
+  %a1 = f32[128,64]{1,0} add(%v, %tb)
+  %a2 = f32[128,64]{1,0} add(%a1, %rdt)
+  ROOT %o = bf16[128,64]{1,0} convert(%a2)
+}
+
+%body (arg: (s32[], f32[4,128,384], bf16[64], bf16[128,64], bf16[128,64])) -> (s32[], f32[4,128,384], bf16[64], bf16[128,64], bf16[128,64]) {
+  %arg = (s32[], f32[4,128,384]{2,1,0}, bf16[64]{0}, bf16[128,64]{1,0}, bf16[128,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %parts = f32[4,128,384]{2,1,0} get-tuple-element(%arg), index=1
+  %gain = bf16[64]{0} get-tuple-element(%arg), index=2
+  %kout = bf16[128,64]{1,0} fusion(%parts, %gain), kind=kLoop, calls=%k_fusion
+  %aout = bf16[128,64]{1,0} fusion(%parts, %parts), kind=kLoop, calls=%all_fusion
+  ROOT %out = (s32[], f32[4,128,384]{2,1,0}, bf16[64]{0}, bf16[128,64]{1,0}, bf16[128,64]{1,0}) tuple(%next, %parts, %gain, %kout, %aout)
+}
+
+%cond (carg: (s32[], f32[4,128,384], bf16[64], bf16[128,64], bf16[128,64])) -> pred[] {
+  %carg = (s32[], f32[4,128,384]{2,1,0}, bf16[64]{0}, bf16[128,64]{1,0}, bf16[128,64]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%carg), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (p.2: f32[4,128,384], g.2: bf16[64], o.2: bf16[128,64]) -> bf16[128,64] {
+  %p.2 = f32[4,128,384]{2,1,0} parameter(0)
+  %g.2 = bf16[64]{0} parameter(1)
+  %o.2 = bf16[128,64]{1,0} parameter(2)
+  %zero.2 = s32[] constant(0)
+  %init = (s32[], f32[4,128,384]{2,1,0}, bf16[64]{0}, bf16[128,64]{1,0}, bf16[128,64]{1,0}) tuple(%zero.2, %p.2, %g.2, %o.2, %o.2)
+  %loop = (s32[], f32[4,128,384]{2,1,0}, bf16[64]{0}, bf16[128,64]{1,0}, bf16[128,64]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %res = bf16[128,64]{1,0} get-tuple-element(%loop), index=3
+}
+"""
+
+
+def test_walker_reads_only_the_columns_a_fusion_keeps_of_a_reduced_value():
+    items = {n.split("/")[-1]: b for n, _, b, _ in hlo_bytes.decode_loop_bytes(_PARTIALS_HLO, trace=True).items}
+    out = 128 * 64 * 2
+    # A slice of the reduced partials (a sixth of the columns of all 4 partials) and the broadcast gain.
+    assert items["kout"] == 4 * 128 * 64 * 4 + 64 * 2 + out
+    # The row total reads every column, so the first operand is read whole; the second operand is read
+    # through a slice, a transpose and a reduce: its first 64 columns of each partial.
+    assert items["aout"] == 4 * 128 * 384 * 4 + 4 * 128 * 64 * 4 + out
+
+
 _HOISTED_HLO = """
 HloModule hoisted
 

@@ -6,11 +6,14 @@ computation is one kernel (a fusion, a custom call such as a Pallas kernel or a 
 the sum, over the instructions of the loop body, of operand bytes read + result bytes written, with:
 
 - fusions counted at their boundary (what happens inside stays on chip), except that a fused
-  parameter used only through slicing ops (slice / dynamic-slice / gather) reads just the slices
-  (through nested fusions too: a value that reaches a nested fusion's root is read as much as that
-  fusion's result is read; at the root of the kernel's own fused computation it is read whole),
-  and the buffer that a root dynamic-update-slice / scatter updates in place is neither read nor
-  rewritten: only the update is written (XLA's own cost model makes the same two exceptions);
+  parameter is read only where the kernel's outputs depend on it: the slices of it that slicing
+  ops (slice / dynamic-slice / gather) take, followed back from the outputs through elementwise ops,
+  layout changes, reductions and broadcasts (a fusion that reduces split-K partials and keeps a
+  slice of the sum reads that slice's columns of every partial), through nested fusions too (a value
+  that reaches a nested fusion's root is read as much as that fusion's result is read; at the root
+  of the kernel's own fused computation it is read whole); and the buffer that a root
+  dynamic-update-slice / scatter updates in place is neither read nor rewritten: only the update is
+  written (XLA's own cost model counts slices and in-place updates alike);
 - parameter, get-tuple-element, tuple, bitcast, constant and the *-done halves of async pairs free;
 - inner while loops counted times their trip count: XLA's `known_trip_count` annotation, else the
   `i < N` pattern of the condition with a constant start and N constant, else, when N is carried
@@ -51,6 +54,17 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
          "opt-barrier", "partition-id", "replica-id"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
+# Ops whose result element at an index depends only on the operand elements at the same index (operands
+# of the result's shape) or, for layout changes, on exactly one operand element.
+_ELEMENTWISE = {
+    "abs", "add", "and", "atan2", "bitcast-convert", "cbrt", "ceil", "clamp", "compare", "convert", "cosine",
+    "divide", "erf", "exponential", "exponential-minus-one", "floor", "imag", "is-finite", "log", "log-plus-one",
+    "logistic", "maximum", "minimum", "multiply", "negate", "not", "or", "popcnt", "power", "real",
+    "reduce-precision", "remainder", "round-nearest-afz", "round-nearest-even", "rsqrt", "select",
+    "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sine", "sqrt", "subtract", "tan",
+    "tanh", "xor",
+}
+_RELAYOUT = {"bitcast", "copy", "reshape", "transpose"}
 _NO_KERNEL_CUSTOM_CALLS = {"AllocateBuffer", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 
 
@@ -313,6 +327,7 @@ class Walker:
         self.weight_min = weight_min_bytes
         self.weight_args = tuple(weight_args) if weight_args else None
         self._users: dict[str, dict[str, list[str]]] = {}
+        self._fractions: dict[tuple, float] = {}  # _read_fraction memo (fused values are DAGs)
         self._bounded: dict[str, int] = {}  # loops counted at a static upper bound of their trip count
 
     # -- helpers over fused computations
@@ -337,41 +352,62 @@ class Walker:
         return found
 
     def _effective_read(self, comp: Computation, name: str, outer: tuple = ()) -> float:
-        """Bytes a fused value is actually read: its slices when only slicing ops use it.
+        """Bytes a fused value is actually read: the value's bytes times `_read_fraction`."""
+        return sum(l.nbytes for l in _leaves(comp.instrs[name].shape)) * self._read_fraction(comp, name, outer)
+
+    def _read_fraction(self, comp: Computation, name: str, outer: tuple = ()) -> float:
+        """Fraction (an upper bound) of a fused value's elements that the kernel reads: the elements its
+        outputs depend on. A fusion's emitter computes each output element from the operand elements it
+        needs, so a value is read only where its users read it, followed back from the outputs through
+        slices (the sliced elements), elementwise ops and layout changes (the same elements), reductions
+        (the reduced extent of the needed outputs), broadcasts (at most one element per needed output)
+        and in-place updates (the updated buffer is not read); any other user reads it whole. The users'
+        fractions add up (overlaps counted twice), capped at 1.
 
         `outer` holds the (computation, fusion instruction) frames of the fusions that `comp` is
         nested in, innermost last: a value that reaches the root of a nested fusion (a parameter
         only bitcast there, say) is read as much as that fusion's result is read where it is used.
         At the root of the outermost fused computation the value is the kernel's output: read whole.
         """
-        full = sum(l.nbytes for l in _leaves(comp.instrs[name].shape))
+        key = (comp.name, name, tuple((c.name, u) for c, u in outer))
+        if key not in self._fractions:
+            self._fractions[key] = self._read_fraction_uncached(comp, name, outer)
+        return self._fractions[key]
+
+    def _read_fraction_uncached(self, comp: Computation, name: str, outer: tuple) -> float:
         users = self._users_of(comp)[name]
         if name == comp.root:
-            if not outer:
-                return full
-            up_comp, up_name = outer[-1]
-            return min(self._effective_read(up_comp, up_name, outer[:-1]), full) if not users else full
+            if not outer or users:
+                return 1.0
+            return self._read_fraction(*outer[-1], outer[:-1])
         if not users:
             return 0.0
+        shape = comp.instrs[name].shape
+        if not isinstance(shape, Leaf):
+            return 1.0
+        count = math.prod(shape.dims)
         total = 0.0
         for u in users:
             ui = comp.instrs[u]
-            if ui.opcode == "bitcast":
-                total += self._effective_read(comp, u, outer)
-            elif ui.opcode in _SLICING and ui.operands and ui.operands[0] == name:
-                total += sum(l.nbytes for l in _leaves(ui.shape))
-            elif ui.opcode in _IN_PLACE and ui.operands and ui.operands[0] == name:
-                continue  # updated in place: not read
-            elif ui.opcode == "fusion":
+            first = bool(ui.operands) and ui.operands[0] == name
+            if ui.opcode == "fusion":
                 inner = self.m.computations[ui.attr("calls")]
-                for k, o in enumerate(ui.operands):
-                    if o == name:
-                        total += self._effective_read(inner, inner.params[k], outer + ((comp, u),))
+                total += sum(self._read_fraction(inner, inner.params[k], outer + ((comp, u),))
+                             for k, o in enumerate(ui.operands) if o == name)
+            elif ui.opcode in _IN_PLACE and first:
+                continue  # updated in place: not read
+            elif not isinstance(ui.shape, Leaf):
+                return 1.0
+            elif ui.opcode in _RELAYOUT or (ui.opcode in _ELEMENTWISE and math.prod(ui.shape.dims) == count) or \
+                    (ui.opcode == "reduce" and name in ui.operands[: len(ui.operands) // 2]):
+                total += self._read_fraction(comp, u, outer)
+            elif (ui.opcode in _SLICING and first) or ui.opcode == "broadcast":
+                total += self._read_fraction(comp, u, outer) * math.prod(ui.shape.dims) / max(count, 1)
             else:
-                return full
-            if total >= full:
-                return full
-        return min(total, full)
+                return 1.0
+            if total >= 1.0:
+                return 1.0
+        return total
 
     # -- loop state classes
     def _trip_count(self, comp: Computation, ins: Instr) -> int | None:
