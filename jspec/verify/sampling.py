@@ -100,7 +100,8 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       with multiplicity (ties with it are kept, so more than k tokens may survive);
     - top-p (< 1), on the renormalised distribution: keep token i iff the mass of the tokens strictly
       more likely than i is < top_p: the smallest set of most likely tokens reaching top_p, with the
-      whole tie group at the boundary kept. Never empty.
+      whole tie group at the boundary kept. Never empty. The kept tokens' log-probabilities are
+      logp - log(kept mass) (`_renormalise`, which the sorted reference shares).
 
     Nothing sorts the vocabulary: each threshold is found by `_bisect_threshold`, a search over the
     order-preserving int32 image of float32 that settles 4 bits per pass over the row (8 passes, each
@@ -130,8 +131,8 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       sorted rule's own answer depends on how the backend lowers cumsum.
     - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
       fusion with different rounding, and a threshold taken from one copy then compared with
-      another can keep nothing. `lax.optimization_barrier` pins the scaled logits and logp to
-      single buffers that the search and the final mask both read. Should a backend ever round p_i
+      another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and
+      logp (top-p) to single buffers that the search and the final mask both read. Should a backend ever round p_i
       differently between candidates, m would break monotonicity only within rounding at the boundary
       (the disagreement already allowed above): the kept set is still {logp >= t*}, whole tie groups,
       and never empty, since m(above the max) = 0 whatever p is.
@@ -146,8 +147,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     k = params.top_k
     logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return jax.lax.cond(params.top_p < 1.0, lambda x, lp: _keep_top_p(x, lp, params.top_p), lambda x, lp: lp,
-                        logits, logp)
+    return jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
 
 
 def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -155,10 +155,17 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.where(logits >= _kth_largest(logits, k), logits, -jnp.inf)
 
 
-def _keep_top_p(logits: jax.Array, logp: jax.Array, top_p: jax.Array) -> jax.Array:
+def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(flush_subnormals(logp))
-    logits = jnp.where(logp >= _top_p_cut(logp, top_p), logits, -jnp.inf)
-    return jax.nn.log_softmax(logits, axis=-1)
+    return _renormalise(logp, logp >= _top_p_cut(logp, top_p))
+
+
+def _renormalise(logp: jax.Array, keep: jax.Array) -> jax.Array:
+    """log-probabilities of logp's distribution restricted to `keep` (never empty): logp - log(kept mass),
+    -inf elsewhere. Two passes over logp (the kept mass, then the output); the kept mass is at least
+    top_p, so the shift is well conditioned."""
+    kept_mass = jnp.sum(jnp.where(keep, jnp.exp(logp), 0.0), axis=-1, keepdims=True)
+    return jnp.where(keep, logp - jnp.log(kept_mass), -jnp.inf)
 
 
 # Jitted so that eager calls reuse one compiled search per shape instead of tracing the loop again;
@@ -268,8 +275,7 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
         threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         keep_sorted = sorted_desc >= threshold
         keep = jax.lax.sort_key_val(order, keep_sorted, dimension=-1)[1]
-        logits = jnp.where(keep, logits, -jnp.inf)
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = _renormalise(logp, keep)
     return logp
 
 
