@@ -146,7 +146,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     logits = flush_subnormals(logits / params.temperature)
     k = params.top_k
     logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = flush_subnormals(jax.nn.log_softmax(logits, axis=-1))  # written once, flushed (top-p compares it)
     return jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
 
 
@@ -156,7 +156,7 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
-    logp = jax.lax.optimization_barrier(flush_subnormals(logp))
+    logp = jax.lax.optimization_barrier(logp)
     return _renormalise(logp, logp >= _top_p_cut(logp, top_p))
 
 
@@ -261,9 +261,8 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
     if 0 < params.top_k < vocab:
         kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = flush_subnormals(jax.nn.log_softmax(logits, axis=-1))
     if params.top_p < 1.0:
-        logp = flush_subnormals(logp)
         # Comparisons happen in sorted order and map back by index, so no recomputed copy of
         # log_softmax is ever compared with a threshold taken from the sorted one.
         index = jnp.broadcast_to(jnp.arange(vocab), logp.shape)
