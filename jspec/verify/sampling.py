@@ -98,10 +98,11 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     - temperature T > 0: logits / T;
     - top-k (0 < k < V): keep every token whose scaled logit is >= the k-th largest one counted
       with multiplicity (ties with it are kept, so more than k tokens may survive);
-    - top-p (< 1), on the renormalised distribution: keep token i iff the mass of the tokens strictly
-      more likely than i is < top_p: the smallest set of most likely tokens reaching top_p, with the
-      whole tie group at the boundary kept. Never empty. The kept tokens' log-probabilities are
-      logp - log(kept mass) (`_renormalise`, which the sorted reference shares).
+    - top-p (< 1), on the renormalised distribution p = exp(logp): keep token i iff the mass of the
+      tokens strictly more likely than i (p_j > p_i) is < top_p: the smallest set of most likely
+      tokens reaching top_p, with the whole tie group at the boundary kept. Never empty. The kept
+      tokens' log-probabilities are logp - log(kept mass) (`_renormalise`, shared with the sorted
+      reference).
 
     Nothing sorts the vocabulary: each threshold is found by `_bisect_threshold`, a search over the
     order-preserving int32 image of float32 that settles 4 bits per pass over the row (8 passes, each
@@ -116,26 +117,22 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       strictly above x_k count, and there are fewer than k of them. So the largest float t* with
       c(t*) >= k compares equal to x_k, and `x >= t*` is exactly `x >= lax.top_k(x, k)[0][..., -1:]`:
       integer counting, no rounding anywhere.
-    - top-p: m(t) = fl(sum_i p_i [logp_i >= t]) with p_i = exp(logp_i) over one materialised logp,
-      p taken in the search's one loop body (a materialised p would double the bytes of every pass):
-      the same instruction on the same value, so the same p_i for every t, and with one reduction
-      order for every t, m is non-increasing in t (a float sum of non-negative terms is monotone in
-      each term). For the largest t* with m(t*) >= top_p, token i is kept iff
-      logp_i >= t* iff m(t) < top_p for the smallest float t above logp_i, and that m(t) is the
-      mass of the tokens strictly more likely than i: the rule above, decided per value, so ties stay together.
-      m(above the max) = 0 < top_p, so the most likely tokens are always kept; if rounding leaves
-      even the full mass below top_p, t* = -inf and every token is kept (as the sorted rule does).
-      In exact arithmetic this is the sort-and-cumsum rule token for token. In float32 the two
-      sums differ in rounding, so they can disagree only on a boundary tie group whose strictly
-      greater mass lies within summation rounding (at most about V * 2**-24) of top_p, where the
-      sorted rule's own answer depends on how the backend lowers cumsum.
+    - top-p: m(t) = fl(sum_i p_i [p_i >= t]) over one materialised p = exp(logp), with one reduction
+      order for every t, is non-increasing in t (a float sum of non-negative terms is monotone in each
+      term). For the largest t* with m(t*) >= top_p, token i is kept iff p_i >= t* iff m(t) < top_p
+      for the smallest float t above p_i, and that m(t) is the mass of the tokens strictly more likely
+      than i: the rule above, decided per value, so ties stay together. m(above the max) = 0 < top_p,
+      so the most likely tokens are always kept; if rounding leaves even the full mass below top_p,
+      t* = -inf and every token is kept (as the sorted rule does). In exact arithmetic this is the
+      sort-and-cumsum rule token for token. In float32 the two sums differ in rounding, so they can
+      disagree only on a boundary tie group whose strictly greater mass lies within summation
+      rounding (at most about V * 2**-24) of top_p, where the sorted rule's own answer depends on how
+      the backend lowers cumsum. The search and the kept mass read p alone: one read of the row per
+      pass.
     - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
       fusion with different rounding, and a threshold taken from one copy then compared with
-      another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and
-      logp (top-p) to single buffers that the search and the final mask both read. Should a backend ever round p_i
-      differently between candidates, m would break monotonicity only within rounding at the boundary
-      (the disagreement already allowed above): the kept set is still {logp >= t*}, whole tie groups,
-      and never empty, since m(above the max) = 0 whatever p is.
+      another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and logp
+      and p (top-p) to single buffers that the search and the final mask both read.
     """
     if isinstance(params, SamplingParams):
         params = params.traced()
@@ -157,14 +154,15 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(logp)
-    return _renormalise(logp, logp >= _top_p_cut(logp, top_p))
+    probs = jax.lax.optimization_barrier(flush_subnormals(jnp.exp(logp)))
+    keep = probs >= _top_p_cut(probs, top_p)
+    kept_mass = jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True)
+    return _renormalise(logp, keep, kept_mass)
 
 
-def _renormalise(logp: jax.Array, keep: jax.Array) -> jax.Array:
+def _renormalise(logp: jax.Array, keep: jax.Array, kept_mass: jax.Array) -> jax.Array:
     """log-probabilities of logp's distribution restricted to `keep` (never empty): logp - log(kept mass),
-    -inf elsewhere. Two passes over logp (the kept mass, then the output); the kept mass is at least
-    top_p, so the shift is well conditioned."""
-    kept_mass = jnp.sum(jnp.where(keep, jnp.exp(logp), 0.0), axis=-1, keepdims=True)
+    -inf elsewhere (one pass; the kept mass is at least top_p, so the shift is well conditioned)."""
     return jnp.where(keep, logp - jnp.log(kept_mass), -jnp.inf)
 
 
@@ -179,14 +177,13 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _top_p_cut(logp: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[..., 1] float32: the largest t with sum(exp(logp)[logp >= t]) >= top_p (-inf if none); logp
-    [..., V] materialised by the caller. Each pass reads logp alone and takes its exponential in the
-    search's one loop body (reading a materialised exp(logp) too would double the bytes)."""
+def _top_p_cut(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[..., 1] float32: the largest t with sum(probs[probs >= t]) >= top_p (-inf if none); probs
+    [..., V] materialised by the caller, subnormals flushed: each pass of the search reads it alone."""
     top_p = jnp.asarray(top_p, jnp.float32)
     return _bisect_threshold(
-        lambda t: jnp.sum(jnp.where(logp[..., None, :] >= t, jnp.exp(logp)[..., None, :], 0.0), axis=-1,
-                          keepdims=True) >= top_p, logp.shape[:-1] + (1,))
+        lambda t: jnp.sum(jnp.where(probs[..., None, :] >= t, probs[..., None, :], 0.0), axis=-1, keepdims=True)
+        >= top_p, probs.shape[:-1] + (1,))
 
 
 # int32 images (see _key_to_float) of -inf and +inf; the search never leaves this range, so it
@@ -263,18 +260,18 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     logp = flush_subnormals(jax.nn.log_softmax(logits, axis=-1))
     if params.top_p < 1.0:
-        # Comparisons happen in sorted order and map back by index, so no recomputed copy of
-        # log_softmax is ever compared with a threshold taken from the sorted one.
+        # Comparisons happen in sorted order and map back by index, so no recomputed copy of the
+        # probabilities is ever compared with a threshold taken from the sorted one.
+        probs = flush_subnormals(jnp.exp(logp))
         index = jnp.broadcast_to(jnp.arange(vocab), logp.shape)
-        neg_sorted, order = jax.lax.sort_key_val(-logp, index, dimension=-1)
-        sorted_desc = -neg_sorted
-        probs_sorted = jnp.exp(sorted_desc)
+        neg_sorted, order = jax.lax.sort_key_val(-probs, index, dimension=-1)
+        probs_sorted = -neg_sorted
         mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
         keep_sorted = mass_before < params.top_p
-        threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        keep_sorted = sorted_desc >= threshold
+        threshold = jnp.min(jnp.where(keep_sorted, probs_sorted, jnp.inf), axis=-1, keepdims=True)
+        keep_sorted = probs_sorted >= threshold
         keep = jax.lax.sort_key_val(order, keep_sorted, dimension=-1)[1]
-        logp = _renormalise(logp, keep)
+        logp = _renormalise(logp, keep, jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True))
     return logp
 
 
