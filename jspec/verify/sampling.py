@@ -143,7 +143,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     logits = flush_subnormals(logits / params.temperature)
     k = params.top_k
     logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
-    logp = flush_subnormals(jax.nn.log_softmax(logits, axis=-1))  # written once, flushed (top-p compares it)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     return jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
 
 
@@ -258,7 +258,7 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
     if 0 < params.top_k < vocab:
         kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
-    logp = flush_subnormals(jax.nn.log_softmax(logits, axis=-1))
+    logp = jax.nn.log_softmax(logits, axis=-1)
     if params.top_p < 1.0:
         # Comparisons happen in sorted order and map back by index, so no recomputed copy of the
         # probabilities is ever compared with a threshold taken from the sorted one.
