@@ -155,14 +155,13 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(logp)
     probs = jax.lax.optimization_barrier(flush_subnormals(jnp.exp(logp)))
-    keep = probs >= _top_p_cut(probs, top_p)
-    kept_mass = jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True)
-    return _renormalise(logp, keep, kept_mass)
+    return _renormalise(logp, probs, probs >= _top_p_cut(probs, top_p))
 
 
-def _renormalise(logp: jax.Array, keep: jax.Array, kept_mass: jax.Array) -> jax.Array:
+def _renormalise(logp: jax.Array, probs: jax.Array, keep: jax.Array) -> jax.Array:
     """log-probabilities of logp's distribution restricted to `keep` (never empty): logp - log(kept mass),
-    -inf elsewhere (one pass; the kept mass is at least top_p, so the shift is well conditioned)."""
+    -inf elsewhere, with the kept mass summed from probs (at least top_p, so the shift is well conditioned)."""
+    kept_mass = jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True)
     return jnp.where(keep, logp - jnp.log(kept_mass), -jnp.inf)
 
 
@@ -271,7 +270,7 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
         threshold = jnp.min(jnp.where(keep_sorted, probs_sorted, jnp.inf), axis=-1, keepdims=True)
         keep_sorted = probs_sorted >= threshold
         keep = jax.lax.sort_key_val(order, keep_sorted, dimension=-1)[1]
-        logp = _renormalise(logp, keep, jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True))
+        logp = _renormalise(logp, probs, keep)
     return logp
 
 
