@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,6 +119,19 @@ def test_committed_cache_rows_equal_plain_decoding(target, tree_budget):
             a = np.asarray(getattr(st.core.cache, name))[:, row, :, : length - 1]  # [L, B, Hkv, S, Dh]
             b = np.asarray(getattr(plain.cache, name))[:, row, :, : length - 1]
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_drafter_caches_take_the_targets_aligned_row_count(target, small_lm_dir):
+    """The drafter's context caches get the target's rows, cache_size + the verify width rounded up to
+    ar.CACHE_ROW_ALIGN: an unaligned cache (64 + 5 rows here) gets another default layout on TPU than
+    the one the loop keeps it in, and is relaid at the program's end (a second copy in memory)."""
+    drafter, dparams = jspec.load_drafter(small_lm_dir, target, block_size=4)
+    dcfg = ar.DecodeConfig(max_new_tokens=NEW, cache_size=64, sampling=SamplingParams(0.0))
+    args = _arrays(target, PROMPTS)
+    st = jax.eval_shape(lambda: spec.start(target.params, dparams, target.cfg, drafter, dcfg, *args))
+    rows = {a.shape[2] for a in (*st.core.cache.k, *st.core.cache.v)}
+    assert rows == {80}, rows  # 64 + 5 rows rounded up to a multiple of 16
+    assert {a.shape[2] for a in (*st.draft.cache.k, *st.draft.cache.v)} == rows
 
 
 def test_unwritten_rows_are_never_read(target, small_lm_dir, monkeypatch, baselines):

@@ -212,7 +212,7 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
         # DFlash turns its draft slots into logits with the target's (shared) LM head: one more
         # read of the head per round, which the drafter needs.
         info["drafter_head_bytes"] = head
-        cache_bytes = b * (dataclasses.replace(dcfg, scratch_rows=width).cache_rows * row + (cache_size + width) * d_row)
+        cache_bytes = b * dataclasses.replace(dcfg, scratch_rows=width).cache_rows * (row + d_row)
     info.update(width=width, cache_bytes=cache_bytes, kv_ideal=b * case.context * (row + d_row),
                 writes_ideal=b * (width * row + d_rows * d_row))
     return program

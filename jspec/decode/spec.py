@@ -220,8 +220,12 @@ def start(params, dparams, cfg: ModelConfig, drafter: Drafter, dcfg: ar.DecodeCo
     width = drafter.num_drafts + 1
     dcfg = dataclasses.replace(dcfg, scratch_rows=width)
     core, taps = ar.prefill(params, cfg, dcfg, prompts, prompt_len, seeds, taps=drafter.taps)
+    # The drafter's context caches get the target's aligned row count (ar.CACHE_ROW_ALIGN): for an
+    # unaligned one (a [B, S, Hkv * Dh] DFlash cache of 4096 + 33 rows) XLA:TPU's default layout puts the
+    # batch inside the rows, unlike the layout the loop's kernels read, and the loop's caches are relaid
+    # at the program's end: a second copy of them in temp memory.
     dstate = drafter.init(dparams, PrefillInfo(prompts, prompt_len, taps, target_params=params, target_cfg=cfg),
-                          dcfg.cache_size + width)
+                          dcfg.cache_rows)
     return SpecState(core, dstate, SpecStats.zeros(prompts.shape[0], drafter.max_depth))
 
 
