@@ -184,6 +184,25 @@ def test_ddtree_takes_the_best_prefixes(rng=np.random.default_rng(0)):
     assert sorted(paths) == sorted(best)
 
 
+@pytest.mark.parametrize("chunk", [4, 16, 128])
+def test_chunked_top_k_equals_lax_top_k(chunk, rng=np.random.default_rng(1)):
+    """`ddtree.top_k` (chunk maxima, then a top_k of the best chunks) returns lax.top_k's values and
+    indices, ties to the lower index included: per chunk size 12 random (length, k), most lengths not a
+    multiple of the chunk, 64 rows each: small-integer values (many ties) with a third of the entries
+    -inf, or Gaussian values."""
+    for trial in range(12):
+        n = int(rng.integers(1, 2000))
+        k = int(rng.integers(1, min(n, 40) + 1))
+        x = rng.integers(-4, 4, size=(2, 32, n)).astype(np.float32)
+        x[rng.random(x.shape) < 0.3] = -np.inf
+        if trial % 3 == 0:
+            x = rng.normal(size=(2, 32, n)).astype(np.float32)
+        want = jax.lax.top_k(jnp.asarray(x), k)
+        got = ddtree.top_k(jnp.asarray(x), k, chunk)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=f"{n=} {k=}")
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=f"{n=} {k=}")
+
+
 # --- checkpoints -------------------------------------------------------------------------------------------
 
 

@@ -15,11 +15,39 @@ import jax
 import jax.numpy as jnp
 
 
+TOP_K_CHUNK = 128  # vocabulary entries per chunk of `top_k`'s first stage
+
+
+def top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of a float array, equal to it (values best first, ties to the
+    lower index), without sorting the whole axis: XLA:TPU lowers a vocabulary-wide top_k to a sort of
+    every entry with its index (two [..., V] buffers and several passes over them per round).
+
+    The axis is cut into chunks of `chunk` entries (the last padded with -inf). The k best entries lie in
+    the k chunks whose maxima rank best (max descending, ties to the lower chunk): a chunk c holding one
+    of them, x, has its own maximum ranked at or above x, and every chunk ranked above c has a maximum
+    ranked above that one, so at most k - 1 chunks rank above c. Those k chunks, gathered in index order
+    (so the candidates' positions keep the entries' order, and ties still go to the lower index), hold
+    k * chunk candidates: one small top_k over them finishes. Reads x once (the chunk maxima) plus the
+    gathered chunks."""
+    n = x.shape[-1]
+    chunks = -(-n // chunk)
+    if chunks <= 2 * k:  # too few chunks for the first stage to narrow anything
+        return jax.lax.top_k(x, k)
+    if chunks * chunk != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, chunks * chunk - n)], constant_values=-jnp.inf)
+    blocks = x.reshape(*x.shape[:-1], chunks, chunk)
+    pick = jnp.sort(jax.lax.top_k(jnp.max(blocks, axis=-1), k)[1], axis=-1)  # [..., k] chunk ids, ascending
+    cand = jnp.take_along_axis(blocks, pick[..., None], axis=-2).reshape(*x.shape[:-1], k * chunk)
+    values, pos = jax.lax.top_k(cand, k)
+    return values, jnp.take_along_axis(pick, pos // chunk, axis=-1) * chunk + pos % chunk
+
+
 def build_tree(logq: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logq [g, V] per-depth log-marginals -> (tokens [N], parent [N] (-1 = anchor), depth [N] >= 1)."""
     g, vocab = logq.shape
     k = min(budget, vocab)
-    top_v, top_i = jax.lax.top_k(logq.astype(jnp.float32), k)  # [g, k], best first
+    top_v, top_i = top_k(logq.astype(jnp.float32), k)  # [g, k], best first
     cap = 2 * budget + 1
     score = jnp.full((cap,), -jnp.inf).at[0].set(top_v[0, 0])
     depth = jnp.zeros((cap,), jnp.int32).at[0].set(1)

@@ -223,7 +223,7 @@ def draft_blocks(params: dict, cfg: DFlash2Config, embed, ctx_k, ctx_v, anchor_p
 def candidates(params: dict, cfg: DFlash2Config, logits: jax.Array, hidden: jax.Array):
     """Unary scores U [..., k], candidate ids C [..., k] (the top-k of the draft logits) and the slot
     factors h' [..., R] of final-normed slot states hidden [..., H]."""
-    unary, ids = jax.lax.top_k(logits, cfg.selector_top_k)
+    unary, ids = ddtree.top_k(logits, cfg.selector_top_k)
     return unary, ids.astype(jnp.int32), layers.linear(hidden, params["selector"]["hidden"])
 
 

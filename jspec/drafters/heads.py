@@ -82,6 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
+from jspec.drafters import ddtree
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.errors import CheckpointError
@@ -430,7 +431,7 @@ class Hydra(HeadDrafter):
             parts = [jnp.broadcast_to(x[:, None], (b, e, x.shape[-1])) for x in (state.hidden, embed(anchor))]
             parts += [embed(tokens[:, lay.path[d][:, j]]) for j in range(d - 1)]
             logits = head_logits(self.cfg, dparams, d - 1, jnp.concatenate(parts, -1))  # [B, E, V]
-            _, top = jax.lax.top_k(logits, lay.top[d])
+            _, top = ddtree.top_k(logits, lay.top[d])
             tokens = tokens.at[:, lay.nodes[d]].set(top[:, lay.slot[d], lay.rank[lay.nodes[d]]])
         return self._tree_proposal(tokens), state
 
