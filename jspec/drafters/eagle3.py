@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.drafters import ddtree
 from jspec.drafters.base import CommitInfo, DraftContext, Drafter, PrefillInfo, Proposal
 from jspec.drafters.family import Family, TrainRecipe, register_family
 from jspec.errors import CheckpointError
@@ -427,7 +428,7 @@ class Eagle3(Drafter):
         embed = self._embed(dparams, ctx.target_params)
         logq = lambda a: jax.nn.log_softmax(draft_logits(dparams, self.cfg, a), axis=-1)
         # depth 1: the root's K best children
-        score, tok = jax.lax.top_k(logq(root), kk)  # [B, K]
+        score, tok = ddtree.top_k(logq(root), kk)  # [B, K]
         scores, draft_ids = [score], [tok]
         parents, depths = [jnp.full((b, kk), -1, jnp.int32)], [jnp.ones((b, kk), jnp.int32)]
         front = jnp.arange(kk, dtype=jnp.int32)[None].repeat(b, 0)  # candidate index of each frontier node
@@ -446,7 +447,7 @@ class Eagle3(Drafter):
             sk = jax.lax.dynamic_update_slice_in_dim(sk, kn.astype(sk.dtype), (d - 1) * kk, axis=1)
             sv = jax.lax.dynamic_update_slice_in_dim(sv, vn.astype(sv.dtype), (d - 1) * kk, axis=1)
             a = finish(dparams, self.cfg, front_hidden, attend(q, k_cache, v_cache, limit, (sk, sv, anc)))
-            child_score, child_tok = jax.lax.top_k(logq(a), kk)  # [B, K, K]
+            child_score, child_tok = ddtree.top_k(logq(a), kk)  # [B, K, K]
             child_score = (front_score[:, :, None] + child_score).reshape(b, kk * kk)
             child_tok = child_tok.reshape(b, kk * kk)
             scores.append(child_score)

@@ -402,7 +402,7 @@ class Medusa(HeadDrafter):
             drafts, logp = self.choose(ctx, logits, index)
             return Proposal(drafts, logp if ctx.needs_q else None), state
         lay = tree_layout(self.tree)
-        _, top = jax.lax.top_k(logits, max(lay.top.values()))  # [B, D, k] each head's best tokens
+        _, top = ddtree.top_k(logits, max(lay.top.values()))  # [B, D, k] each head's best tokens
         return self._tree_proposal(top[:, lay.depth - 1, lay.rank]), state
 
 
