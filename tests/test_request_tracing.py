@@ -1,5 +1,7 @@
 """Request settings are traced inputs of the compiled loops: changing max_new_tokens, the temperature, top-k
-or top-p between calls reuses the compiled program, and each value still takes effect exactly."""
+or top-p between calls reuses the compiled program, and each value still takes effect exactly. What is
+static: greedy decoding, and whether the top-k and top-p stages are on at all (a stage that is off is
+not in the program)."""
 
 from __future__ import annotations
 
@@ -29,20 +31,30 @@ def _both(target, n, sampling):
     return jspec.generate(target, PROMPTS, **kw), jspec.generate(target, PROMPTS, drafter="lookup", block_size=3, **kw)
 
 
+def _compiled():
+    return ar.generate_ar._cache_size(), spec.generate_spec._cache_size()
+
+
 def test_changing_request_settings_does_not_recompile(target):
-    _both(target, 8, SamplingParams(0.7, top_p=0.9))  # compiles the sampled AR and speculative loops once
-    compiled = ar.generate_ar._cache_size(), spec.generate_spec._cache_size()
-    greedy, _ = _both(target, 20, SamplingParams(0.0))  # greedy is a different program: compiled here
-    compiled = compiled[0] + 1, compiled[1] + 1
+    greedy, _ = _both(target, 20, SamplingParams(0.0))
+    stages = [SamplingParams(0.7), SamplingParams(0.7, top_k=3), SamplingParams(0.7, top_p=0.9),
+              SamplingParams(0.7, top_k=3, top_p=0.9)]  # every combination of the static stage flags
+    for sampling in stages:
+        before = _compiled()
+        _both(target, 8, sampling)
+        assert _compiled() == (before[0] + 1, before[1] + 1)  # one program per loop and stage combination
+    compiled = _compiled()
     for n, sampling in [(12, SamplingParams(1.3)), (3, SamplingParams(0.5, top_k=5, top_p=0.8)),
                         (20, SamplingParams(1.0, top_k=1)), (20, SamplingParams(2.0, top_p=1e-4)),
-                        (17, SamplingParams(0.9, top_k=40, top_p=0.95))]:
+                        (17, SamplingParams(0.9, top_k=40, top_p=0.95)), (9, SamplingParams(1.0, top_k=500))]:
         plain, fast = _both(target, n, sampling)
         assert fast.tokens == plain.tokens  # Gumbel coupling: plain decoding's tokens, whatever the values
         assert [len(t) for t in plain.tokens] == [n, n]
         if sampling.top_k == 1 or sampling.top_p < 1e-3:  # a point mass on the argmax: greedy's text
             assert plain.tokens == [t[:n] for t in greedy.tokens]
-    assert (ar.generate_ar._cache_size(), spec.generate_spec._cache_size()) == compiled
+    assert _compiled() == compiled
+    # top-k >= the vocabulary keeps every token: the same text as the request without top-k
+    assert _both(target, 9, SamplingParams(1.0, top_k=500))[0].tokens == _both(target, 9, SamplingParams(1.0))[0].tokens
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(0.8), SamplingParams(1.0, top_k=7), SamplingParams(0.6, top_p=0.7),
@@ -61,6 +73,29 @@ def test_traced_values_serve_the_same_distribution(sampling):
 def test_one_compilation_serves_every_value():
     fn = jax.jit(lambda x, s: served_logprobs(x, s))  # a function of its own: a cache of its own
     logits = jnp.zeros((2, CFG.vocab_size)).at[:, 3].set(1.0)
-    for s in (SamplingParams(0.5), SamplingParams(1.0, top_k=3), SamplingParams(2.0, top_p=0.3)):
+    for s in (SamplingParams(0.5, top_k=3, top_p=0.3), SamplingParams(1.0, top_k=90, top_p=0.99),
+              SamplingParams(2.0, top_k=CFG.vocab_size + 1, top_p=0.5)):
         fn(logits, s.traced())
     assert fn._cache_size() == 1
+    for s in (SamplingParams(0.5), SamplingParams(1.0, top_k=3), SamplingParams(2.0, top_p=0.3)):
+        fn(logits, s.traced())  # each combination of stages is a program of its own
+    assert fn._cache_size() == 4
+
+
+def test_stages_that_are_off_are_not_in_the_program():
+    logits = jnp.zeros((2, CFG.vocab_size))
+    text = {name: jax.jit(served_logprobs).lower(logits, s.traced()).as_text() for name, s in
+            {"none": SamplingParams(1.0), "top-k": SamplingParams(1.0, top_k=3), "top-p": SamplingParams(1.0, top_p=0.5),
+             "both": SamplingParams(1.0, top_k=3, top_p=0.5)}.items()}
+    conditionals = {name: t.count("stablehlo.case") for name, t in text.items()}
+    assert conditionals == {"none": 0, "top-k": 1, "top-p": 1, "both": 2}
+
+
+def test_flags_on_with_values_off_serve_the_plain_distribution():
+    """A program with both stages compiled in, run with top_k 0 and top_p 1, serves log_softmax(logits / T)."""
+    from jspec.verify.sampling import Served
+
+    logits = 3.0 * jax.random.normal(jax.random.key(5), (3, CFG.vocab_size))
+    served = Served(np.float32(0.7), np.int32(0), np.float32(1.0), False, top_k_on=True, top_p_on=True)
+    np.testing.assert_array_equal(np.asarray(jax.jit(served_logprobs)(logits, served)),
+                                  np.asarray(served_logprobs(logits, SamplingParams(0.7))))

@@ -432,7 +432,8 @@ def offline_blocks(target_params, target_cfg, drafter: DFlash2, dparams, taps, t
     cfg, bb = drafter.dflash2, drafter.cfg
     n, t = tokens.shape
     ctx_k, ctx_v = dflash.context_kv(dparams, bb, taps, jnp.broadcast_to(jnp.arange(t), (n, t)))
-    temperature_only = Served(sampling.temperature, jnp.int32(0), jnp.float32(1.0), sampling.greedy)
+    temperature_only = Served(sampling.temperature, jnp.int32(0), jnp.float32(1.0), sampling.greedy,
+                              top_k_on=False, top_p_on=False)
 
     def blocks(anchors):
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)

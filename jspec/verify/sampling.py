@@ -44,24 +44,33 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def traced(self) -> "Served":
-        """The same parameters as traced values (only `greedy` stays static); host (numpy) scalars, so
-        they also serve compiles for devices this process does not have."""
-        return Served(np.asarray(1.0 if self.greedy else self.temperature, np.float32), np.asarray(self.top_k, np.int32),
-                      np.asarray(self.top_p, np.float32), self.greedy)
+        """The same parameters as traced values: host (numpy) scalars, so they also serve compiles for
+        devices this process does not have. Static: `greedy`, and whether top-k and top-p are on."""
+        sampled = not self.greedy
+        return Served(np.asarray(self.temperature if sampled else 1.0, np.float32), np.asarray(self.top_k, np.int32),
+                      np.asarray(self.top_p, np.float32), self.greedy, top_k_on=sampled and self.top_k > 0,
+                      top_p_on=sampled and self.top_p < 1.0)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Served:
     """Sampling parameters as the compiled loops read them: temperature, top-k and top-p are traced
-    scalars, so one compilation serves every request's values; `greedy` (temperature 0) is static, since
-    it changes the program (an argmax instead of a draw, and the verification rules that apply).
-    Build one with `SamplingParams.traced()`, which validates the values."""
+    scalars, so one compilation serves every request's values. Static, since they change the program:
+    `greedy` (temperature 0: an argmax instead of a draw, and the verification rules that apply), and
+    whether the top-k and top-p stages are in the program at all (`top_k_on`, `top_p_on`). A stage that
+    is off is not compiled, so a request that never filters pays neither its passes over the
+    vocabulary nor the temp memory of a conditional's branch; one that is on still switches itself off
+    at run time for an off value (top_k 0 or >= V, top_p 1), so the flags only need to be true whenever
+    the value may filter. Build one with `SamplingParams.traced()`, which validates the values and sets
+    the flags from them (one compilation per greedy / top-k / top-p combination, at most five)."""
 
     temperature: jax.Array  # [] float32 > 0 (1 when greedy: unused)
     top_k: jax.Array  # [] int32, 0 = off
     top_p: jax.Array  # [] float32 in (0, 1], 1 = off
     greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    top_k_on: bool = dataclasses.field(default=True, kw_only=True, metadata=dict(static=True))
+    top_p_on: bool = dataclasses.field(default=True, kw_only=True, metadata=dict(static=True))
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -90,8 +99,8 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Log-probabilities [..., V] (float32) of the served distribution; -inf where removed.
 
     logits: [..., V], any float dtype (cast to float32); params: a SamplingParams, or a `Served` whose
-    temperature / top-k / top-p may be traced (a stage that is off at run time is skipped by a
-    `lax.cond`, so it costs nothing). Rows are independent.
+    temperature / top-k / top-p may be traced (a stage whose flag is off is not traced; one whose flag
+    is on and whose value is off at run time is skipped by a `lax.cond`). Rows are independent.
     Stages, in this order:
 
     - temperature 0: a point mass on the first argmax (top-k and top-p do not apply);
@@ -141,10 +150,13 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     if params.greedy:
         return jnp.where(jnp.arange(vocab) == first_argmax(logits)[..., None], 0.0, -jnp.inf)
     logits = flush_subnormals(logits / params.temperature)
-    k = params.top_k
-    logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
+    if params.top_k_on:
+        k = params.top_k
+        logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
+    if params.top_p_on:
+        logp = jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
+    return logp
 
 
 def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
