@@ -60,9 +60,9 @@ class Served:
     `greedy` (temperature 0: an argmax instead of a draw, and the verification rules that apply), and
     whether the top-k and top-p stages are in the program at all (`top_k_on`, `top_p_on`). A stage that
     is off is not compiled, so a request that never filters pays neither its passes over the
-    vocabulary nor the temp memory of a conditional's branch; one that is on still switches itself off
-    at run time for an off value (top_k 0 or >= V, top_p 1), so the flags only need to be true whenever
-    the value may filter. Build one with `SamplingParams.traced()`, which validates the values and sets
+    vocabulary nor their buffers; one that is on still serves the unfiltered distribution for an off
+    value at run time (top_k 0 or >= V, top_p 1), so the flags only need to be true whenever the value
+    may filter. Build one with `SamplingParams.traced()`, which validates the values and sets
     the flags from them (one compilation per greedy / top-k / top-p combination, at most five)."""
 
     temperature: jax.Array  # [] float32 > 0 (1 when greedy: unused)
@@ -100,7 +100,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
     logits: [..., V], any float dtype (cast to float32); params: a SamplingParams, or a `Served` whose
     temperature / top-k / top-p may be traced (a stage whose flag is off is not traced; one whose flag
-    is on and whose value is off at run time is skipped by a `lax.cond`). Rows are independent.
+    is on and whose value is off at run time passes its input through). Rows are independent.
     Stages, in this order:
 
     - temperature 0: a point mass on the first argmax (top-k and top-p do not apply);
@@ -151,23 +151,31 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         return jnp.where(jnp.arange(vocab) == first_argmax(logits)[..., None], 0.0, -jnp.inf)
     logits = flush_subnormals(logits / params.temperature)
     if params.top_k_on:
-        k = params.top_k
-        logits = jax.lax.cond((k > 0) & (k < vocab), lambda x: _keep_top_k(x, k), lambda x: x, logits)
+        logits = _keep_top_k(logits, params.top_k)
     logp = jax.nn.log_softmax(logits, axis=-1)
     if params.top_p_on:
-        logp = jax.lax.cond(params.top_p < 1.0, lambda lp: _keep_top_p(lp, params.top_p), lambda lp: lp, logp)
+        logp = _keep_top_p(logp, params.top_p)
     return logp
 
 
+# A stage that is compiled in always runs its search, and a value that is off at run time selects
+# the stage's input, unchanged, as its output. No `lax.cond`: a conditional's branches are separate
+# computations, whose operand and result buffers XLA keeps apart (one more vocabulary-sized buffer
+# live per stage) and whose boundary no fusion crosses; only a hand-built `Served` with a flag on
+# and its value off pays the search for nothing.
 def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
     logits = jax.lax.optimization_barrier(logits)
-    return jnp.where(logits >= _kth_largest(logits, k), logits, -jnp.inf)
+    on = (k > 0) & (k < logits.shape[-1])
+    threshold = jnp.where(on, _kth_largest(logits, k), -jnp.inf)
+    return jnp.where(on, jnp.where(logits >= threshold, logits, -jnp.inf), logits)
 
 
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(logp)
     probs = jax.lax.optimization_barrier(flush_subnormals(jnp.exp(logp)))
-    return _renormalise(logp, probs, probs >= _top_p_cut(probs, top_p))
+    on = top_p < 1.0
+    threshold = jnp.where(on, _top_p_cut(probs, top_p), -jnp.inf)
+    return jnp.where(on, _renormalise(logp, probs, probs >= threshold), logp)
 
 
 def _renormalise(logp: jax.Array, probs: jax.Array, keep: jax.Array) -> jax.Array:
