@@ -38,6 +38,15 @@ def test_first_argmax_is_jnp_argmax():
         np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
 
 
+def test_first_argmax_is_one_reduction_on_gpu():
+    """On GPU first_argmax lowers to jnp.argmax's single (value, index) reduction, which reads x once; on
+    CPU and TPU to the two reductions (whose result the test above checks)."""
+    x = jnp.zeros((3, 50))
+    reductions = {platform: jax.jit(first_argmax).trace(x).lower(lowering_platforms=(platform,)).as_text().count(
+        "stablehlo.reduce") for platform in ("cpu", "tpu", "cuda")}
+    assert reductions == {"cpu": 2, "tpu": 2, "cuda": 1}
+
+
 def test_temperature_scales_the_logits():
     logits = np.random.default_rng(0).normal(size=(3, 7))
     for t in (0.25, 1.0, 3.0):
