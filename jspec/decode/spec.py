@@ -153,7 +153,10 @@ def _verify_tree(params, cfg, drafter, scfg, core, prop, anchor):
                                              cache_rows=cache_rows, tree_mask=ancestor_mask(prop.parent),
                                              taps=drafter.taps, parent=pass_parent, keep_states=True,
                                              attention=scfg.decode.attention)
-    logits = tm.logits(params, cfg, hidden)
+    # Logits node-major ([N+1, B, V], from the transposed hidden states): the rules walk the tree one
+    # node at a time, reading that node's row of every batch row, which is then one contiguous block.
+    # Batch-major, XLA:TPU relaid the served [B, N+1, V] log-probabilities out once more for the walk.
+    logits = jnp.swapaxes(tm.logits(params, cfg, jnp.swapaxes(hidden, 0, 1)), 0, 1)
     logp = served_logprobs(logits, scfg.decode.sampling)
     res = get_rule(scfg.verifier).verify_tree(logp, prop.tokens, prop.parent, prop.depth, prop.q_logp, core.seeds,
                                               core.length, drafter.tree_children)
