@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.verify import noise
-from jspec.verify.chain import NEG_INF, acceptance_probability, first_argmax, normalize_or, residual_logp
+from jspec.verify.chain import NEG_INF, acceptance_probability, first_argmax, residual_logp
 from jspec.verify.validate import check_concrete_tree, check_tree_inputs
 
 CHILDREN_MODES = ("iid", "deterministic")
@@ -115,11 +115,6 @@ def gumbel_tree(target_logp, tokens, parent, depth, seed, pos0) -> TreeResult:
     return _gumbel_tree(target_logp, tokens, parent, depth, seed, pos0)
 
 
-def _remove_token(logp: jax.Array, x: jax.Array) -> jax.Array:
-    """p with p(x) = 0, renormalised (p itself if nothing is left)."""
-    return normalize_or(logp.at[x].set(NEG_INF), logp)
-
-
 @functools.partial(jax.jit, static_argnames=("children",))
 def sampling_tree_from_coins(target_logp, tokens, parent, draft_logp, coins, *, children: str = "iid"):
     """Recursive rejection sampling over siblings on explicit coins [N] (coin i tests node i).
@@ -130,19 +125,17 @@ def sampling_tree_from_coins(target_logp, tokens, parent, draft_logp, coins, *, 
     children of the current node are tried in index order, and a single pass suffices because every
     child comes after its parent.
     """
+    if children == "deterministic":
+        return _deterministic_walk(target_logp, tokens, parent, coins)
     n_nodes, vocab = tokens.shape[0], target_logp.shape[-1]
 
     def step(carry, i):
         cur, n, path, logp = carry
         x = jnp.clip(tokens[i], 0, vocab - 1)
         is_child = (parent[i] == cur) & (tokens[i] >= 0)
-        if children == "iid":
-            logq = draft_logp[cur + 1]
-            accept_p = acceptance_probability(logp[x], logq[x])
-            after_reject = residual_logp(logp, logq)
-        else:
-            accept_p = jnp.exp(logp[x])
-            after_reject = _remove_token(logp, x)
+        logq = draft_logp[cur + 1]
+        accept_p = acceptance_probability(logp[x], logq[x])
+        after_reject = residual_logp(logp, logq)
         threshold = jnp.where(is_child, accept_p, 0.0)
         accept = is_child & (coins[i] < threshold)
         reject = is_child & ~accept
@@ -154,6 +147,59 @@ def sampling_tree_from_coins(target_logp, tokens, parent, draft_logp, coins, *, 
     init = (jnp.int32(-1), jnp.int32(0), jnp.full((n_nodes,), -1, jnp.int32), target_logp[0])
     (_, n, path, logp), threshold = jax.lax.scan(step, init, jnp.arange(n_nodes, dtype=jnp.int32))
     return TreeCoinOutcome(n, path, logp, threshold)
+
+
+def _deterministic_walk(target_logp, tokens, parent, coins) -> TreeCoinOutcome:
+    """sampling_tree_from_coins for deterministic children, without a vocabulary-sized carry.
+
+    The current distribution is always the served row of the current node with the rejected children's
+    tokens removed and the rest renormalised, so the walk carries that description instead of the
+    distribution: `owner[v]` = the node whose child carrying token v was rejected (a token is removed
+    at the current node iff its owner is the current node: the walk only moves down, to larger node
+    indices, so an entry left by an earlier node never matches again and nothing is reset on accept),
+    and `log_left` = log of the row's mass that is not removed (0 for a fresh row, which is served
+    normalised), beside the row itself (the served row of the node last accepted: a step reads row
+    i + 1 of every batch row at once, where a gather of each batch row's own current row made
+    XLA:TPU slice the rows one batch row at a time). A child is accepted with probability p(x) / left, read from the row at x alone; each
+    step makes one pass over the current row for the mass left if its child is rejected, which the
+    final distribution reuses: row - log_left, -inf at the removed tokens.
+
+    The same rule as carrying the distribution and renormalising it after each rejection
+    (`chain.normalize_or` of the row with x set to -inf), in one pass: the mass left is the float sum
+    of exp(row) over the kept tokens, without subtracting the row's maximum first (row entries are
+    log-probabilities, <= 0 up to rounding, so nothing overflows). Entries below float32's smallest
+    normal (1.2e-38) may count as 0: an absolute error below V * 1.2e-38 in the mass left, which moves
+    a probability at float32 resolution only if the mass left is below ~1e-25; the rejections that
+    leave mass M are taken with probability M. A rejection that would leave no mass (possible only
+    through that underflow) removes nothing, as `normalize_or` keeps p.
+    """
+    n_nodes, vocab = tokens.shape[0], target_logp.shape[-1]
+    owner_dtype = jnp.int8 if n_nodes < 127 else jnp.int32  # holds -2 (no owner) .. n_nodes - 1
+    vocab_index = jnp.arange(vocab, dtype=jnp.int32)
+
+    def step(carry, i):
+        cur, n, path, row, log_left, owner = carry
+        x = jnp.clip(tokens[i], 0, vocab - 1)
+        is_child = (parent[i] == cur) & (tokens[i] >= 0)
+        removed_x = owner[x] == cur  # a sibling with the same token was rejected: p(x) is 0 here
+        accept_p = jnp.where(removed_x, 0.0, jnp.exp(row[x] - log_left))
+        threshold = jnp.where(is_child, accept_p, 0.0)
+        accept = is_child & (coins[i] < threshold)
+        gone = (owner == cur) | (vocab_index == x)
+        left_without_x = jnp.log(jnp.sum(jnp.where(gone, 0.0, jnp.exp(row))))
+        remove = is_child & ~accept & ~removed_x & (left_without_x > -jnp.inf)
+        owner = owner.at[x].set(jnp.where(remove, cur, owner[x]).astype(owner_dtype))
+        log_left = jnp.where(accept, 0.0, jnp.where(remove, left_without_x, log_left))
+        row = jnp.where(accept, target_logp[i + 1], row)  # node i's row: the same node for every batch row
+        path = jnp.where(accept, path.at[n].set(i), path)
+        cur = jnp.where(accept, i, cur)
+        return (cur, n + accept.astype(jnp.int32), path, row, log_left, owner), threshold
+
+    init = (jnp.int32(-1), jnp.int32(0), jnp.full((n_nodes,), -1, jnp.int32), target_logp[0], jnp.float32(0.0),
+            jnp.full((vocab,), -2, owner_dtype))
+    (cur, n, path, row, log_left, owner), threshold = jax.lax.scan(step, init, jnp.arange(n_nodes, dtype=jnp.int32))
+    token_logp = jnp.where(owner == cur, NEG_INF, row - log_left)
+    return TreeCoinOutcome(n, path, token_logp, threshold)
 
 
 def sibling_rank(tokens, parent) -> jax.Array:
