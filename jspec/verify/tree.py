@@ -159,10 +159,10 @@ def _deterministic_walk(target_logp, tokens, parent, coins) -> TreeCoinOutcome:
     indices, so an entry left by an earlier node never matches again and nothing is reset on accept),
     and `log_left` = log of the row's mass that is not removed (0 for a fresh row, which is served
     normalised), beside the row itself (the served row of the node last accepted: a step reads row
-    i + 1 of every batch row at once, where a gather of each batch row's own current row made
-    XLA:TPU slice the rows one batch row at a time). A child is accepted with probability p(x) / left, read from the row at x alone; each
-    step makes one pass over the current row for the mass left if its child is rejected, which the
-    final distribution reuses: row - log_left, -inf at the removed tokens.
+    i + 1 of every batch row at once, where a gather of each batch row's own current row made XLA:TPU
+    slice the rows one batch row at a time). A child is accepted with probability p(x) / left, read
+    from the row at x alone; each step makes one pass over the current row for the mass left if its
+    child is rejected, which the final distribution reuses: row - log_left, -inf at the removed tokens.
 
     The same rule as carrying the distribution and renormalising it after each rejection
     (`chain.normalize_or` of the row with x set to -inf), in one pass: the mass left is the float sum
