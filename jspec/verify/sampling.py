@@ -166,16 +166,13 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
     logits = jax.lax.optimization_barrier(logits)
     on = (k > 0) & (k < logits.shape[-1])
-    threshold = jnp.where(on, _kth_largest(logits, k), -jnp.inf)
-    return jnp.where(on, jnp.where(logits >= threshold, logits, -jnp.inf), logits)
+    return jnp.where(on, jnp.where(logits >= _kth_largest(logits, k), logits, -jnp.inf), logits)
 
 
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     logp = jax.lax.optimization_barrier(logp)
     probs = jax.lax.optimization_barrier(flush_subnormals(jnp.exp(logp)))
-    on = top_p < 1.0
-    threshold = jnp.where(on, _top_p_cut(probs, top_p), -jnp.inf)
-    return jnp.where(on, _renormalise(logp, probs, probs >= threshold), logp)
+    return jnp.where(top_p < 1.0, _renormalise(logp, probs, probs >= _top_p_cut(probs, top_p)), logp)
 
 
 def _renormalise(logp: jax.Array, probs: jax.Array, keep: jax.Array) -> jax.Array:
