@@ -6,7 +6,8 @@ Each check takes a target and a family and uses the family's `example(target)` d
   greedy decoding's tokens; Gumbel-coupled sampling gives plain sampling's tokens for the same seeds;
   every other registered rule runs and serves finite log-probs;
 - batch invariance: a row's output does not depend on the rows decoded beside it;
-- a target cache whose unwritten rows are NaN is never read (the output stays finite and exact);
+- a target cache whose unwritten rows are NaN is never read (the output stays finite and exact; where
+  every check runs with NaN caches, as tests/test_conformance.py does, the first check already covers it);
 - checkpoint round trip: `save`, then `detect` and `load` give the same parameters and the same output;
 - bad input (a shape the family cannot draft, more drafts than cache rows) is refused before any
   compilation.
@@ -61,6 +62,7 @@ def check_equals_plain_decoding(target, fam):
         for s in (GREEDY, SAMPLED):
             res = _generate(target, (dr, params), sampling=s)
             assert res.tokens == plain[s], (fam.name, dr.kind, s)
+            assert all(np.isfinite(lp).all() for lp in res.logprobs), (fam.name, dr.kind, s)
             assert res.stats["tau"] >= 1.0
 
 
