@@ -140,8 +140,11 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       pass.
     - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
       fusion with different rounding, and a threshold taken from one copy then compared with
-      another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and logp
-      and p (top-p) to single buffers that the search and the final mask both read.
+      another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and p
+      (top-p) to single buffers that the search and the final mask both read. logp itself is not
+      pinned: it only feeds p and the kept tokens' output values, and a fusion that recomputes it
+      changes no kept set (on an H200, Qwen3-8B chain at batch 8 / 4k, top-p: a write and a read of
+      the [B, g+1, V] rows less, 0.27 GB a round).
     """
     if isinstance(params, SamplingParams):
         params = params.traced()
@@ -170,7 +173,6 @@ def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _keep_top_p(logp: jax.Array, top_p: jax.Array) -> jax.Array:
-    logp = jax.lax.optimization_barrier(logp)
     probs = jax.lax.optimization_barrier(flush_subnormals(jnp.exp(logp)))
     return jnp.where(top_p < 1.0, _renormalise(logp, probs, probs >= _top_p_cut(probs, top_p)), logp)
 
