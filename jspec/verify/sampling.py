@@ -217,8 +217,17 @@ def flush_subnormals(x: jax.Array) -> jax.Array:
     """x with subnormal entries set to 0. Backends may flush subnormals in some fused kernels and not
     in others (XLA:CPU did, under jit: a top-p search settled on a subnormal threshold that the final
     mask then compared exactly, keeping nothing), so thresholds are searched and applied on flushed
-    values only, and `_bisect_threshold` never proposes a subnormal threshold."""
-    return jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, jnp.zeros_like(x), x)
+    values only, and `_bisect_threshold` never proposes a subnormal threshold.
+
+    x: float32. Integer arithmetic on the bits, no comparison: `where(|x| < tiny, 0, x)` gives the same
+    values (-0.0 and subnormals become +0.0; inf and NaN stay), but XLA:GPU wrote its boolean mask out
+    once and read it again in every fusion over the row, where these three integer ops fuse into each
+    (H200, Qwen3-8B chain at batch 8 / 4k, top-p: 32.18 -> 31.88 GB a round)."""
+    if x.dtype != jnp.float32:
+        raise TypeError(f"flush_subnormals takes float32, got {x.dtype}: cast first")
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    normal = jnp.minimum(bits & 0x7F800000, 1)  # 1 where the exponent field is not 0, else 0
+    return jax.lax.bitcast_convert_type(bits * normal, jnp.float32)
 
 
 def _key_to_float(key: jax.Array) -> jax.Array:
