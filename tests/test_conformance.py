@@ -46,5 +46,5 @@ def test_every_built_in_family_has_an_example():
 
 @pytest.mark.parametrize("name, check", CASES)
 def test_conformance(target, name, check, tmp_path):
-    kwargs = {k: v for k, v in (("tmp_path", tmp_path),) if k in check.__code__.co_varnames}
+    kwargs = {"tmp_path": tmp_path} if "tmp_path" in check.__code__.co_varnames else {}
     check(target, family.get_family(name), **kwargs)
