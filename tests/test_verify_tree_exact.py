@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,6 +61,37 @@ def test_deterministic_sampling_tree_is_exact_for_any_fixed_tokens(shape, family
         tokens = rng.integers(0, vocab, len(parent))  # duplicates among siblings included
         outputs = exact.tree_outputs(sampling_tree_from_coins, tables, parent, tokens, children="deterministic")
         assert _error(outputs, tables, parent) < TOL
+
+
+def _walk(row_in_place):
+    """The deterministic walk with the current row read in place (GPU, CPU) or carried (TPU)."""
+    def walk(target_logp, tokens, parent, draft_logp, coins, *, children):
+        assert children == "deterministic" and draft_logp is None
+        return tree._deterministic_walk(target_logp, tokens, parent, coins, row_in_place=row_in_place)
+    return walk
+
+
+@pytest.mark.parametrize("shape", ["mixed", "wide"])
+def test_both_deterministic_walks_are_exact_and_agree_bit_for_bit(shape):
+    """sampling_tree_from_coins picks one walk per backend (only one runs on this CPU): each is exact,
+    and on the same coins both give the same outcome, bit for bit (64 random coin vectors for each of
+    2 random token sets)."""
+    parent = SHAPES[shape]
+    rng = np.random.default_rng([11, len(parent)])
+    vocab = _vocab_for(parent)
+    tables = exact.random_tables(rng, vocab, _depth(parent) + 1, "dirichlet")
+    for _ in range(2):
+        tokens = rng.integers(0, vocab, len(parent))
+        rows = exact.enumerate_tree_drafts(tables, parent, tokens)[2]
+        coins = jnp.asarray(rng.uniform(size=(64, len(parent))), jnp.float32)
+        run = {flag: jax.jit(jax.vmap(lambda c, flag=flag: _walk(flag)(
+            jnp.asarray(rows[0]), jnp.asarray(tokens, jnp.int32), jnp.asarray(parent, jnp.int32), None, c,
+            children="deterministic")))(coins) for flag in (False, True)}
+        for a, b in zip(run[False], run[True]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for flag in (False, True):
+            outputs = exact.tree_outputs(_walk(flag), tables, parent, tokens, children="deterministic")
+            assert _error(outputs, tables, parent) < TOL
 
 
 def test_deterministic_top_k_tree_accepts_more_than_a_single_child():
