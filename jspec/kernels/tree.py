@@ -103,8 +103,11 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
     lo = jnp.where(window > 0, jnp.maximum(jnp.min(positions, axis=1) - window + 1, 0), 0).astype(jnp.int32)
     hi = ctx_len.astype(jnp.int32)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
-    qf = pad(q).reshape(b, tp, hq * dh)
-    knf, vnf = (pad(x.astype(q.dtype)).reshape(b, tp, hkv * dh) for x in (k_new, v_new))
+    # On GPU, q, the new keys / values and the output keep their t rows: the kernel's [tp]-row blocks
+    # overhang them, with loads and stores masked to the first t rows (no padded copy per layer).
+    rows = pad if impl == "tpu" else (lambda x: x)
+    qf = rows(q).reshape(b, -1, hq * dh)
+    knf, vnf = (rows(x.astype(q.dtype)).reshape(b, -1, hkv * dh) for x in (k_new, v_new))
     pos = jnp.pad(positions.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
     words = bits.shape[-1] if impl == "tpu" else pow2_at_least(bits.shape[-1])  # GPU: power-of-two shapes
     bits = jnp.pad(pad(bits.astype(jnp.int32)), [(0, 0), (0, 0), (0, words - bits.shape[-1])])
@@ -120,7 +123,7 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
         gt = gpu_tiles(jnp.dtype(q.dtype).itemsize)
         out = _portable_call(scalars, tensors, block_k=pow2_at_most(min(block_k or gt.kv_rows, s)), gt=gt,
                              interpret=interpret, **common)
-    return out[:, :t].reshape(b, t, hq, dh)
+    return out[:, :t].reshape(b, t, hq, dh)  # TPU: drops the padded rows; GPU: already t rows
 
 
 def _tpu_kv_heads(hkv: int, dh: int, block_k: int, itemsize: int, tile_bytes: int) -> int:
@@ -258,7 +261,7 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
 
 
 def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, bits_ref, kc_ref, vc_ref,
-                     o_ref, *, group, dh, tp, block_k, scale, window_new):
+                     o_ref, *, group, dh, t, tp, block_k, scale, window_new):
     """One KV head of one batch row and the `group` q heads that read it: the new keys its bitmask
     allows, then the cache in tiles, each K / V tile loaded once for the whole group."""
     b = pl.program_id(0)
@@ -267,9 +270,13 @@ def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_
     first, last = _tiles.context_tiles(lo, hi, block_k, -(-s // block_k))
     vis_new = _new_visibility(bits_ref, pc_ref[...], pr_ref[...], window, tp, window_new)
     pos = pc_ref[...]
-    qs = [q_ref[:, g * dh:(g + 1) * dh] for g in range(group)]  # q head g of the group: [Tp, Dh]
+    # q, the new keys / values and the output have t rows; their [tp, .] blocks overhang: rows >= t
+    # are loaded as zeros (invisible new keys, whose zero values add nothing) and never stored.
+    valid = jnp.broadcast_to(lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t, (tp, dh))
+    rows = lambda ref: pltriton.load(ref, mask=valid, other=0)
+    qs = [rows(q_ref.at[:, g * dh:(g + 1) * dh]) for g in range(group)]  # q head g of the group: [Tp, Dh]
     dt = qs[0].dtype
-    kn, vn = kn_ref[...], vn_ref[...]
+    kn, vn = rows(kn_ref), rows(vn_ref)
     states = tuple(_tiles.attend(_tiles.init_stats(tp, dh), q, kn, vn, vis_new, scale) for q in qs)
 
     def tile(i, states):
@@ -286,14 +293,14 @@ def _portable_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_
 
     states = lax.fori_loop(first, jnp.where(lo < hi, last + 1, first), tile, states)
     for g, (_, l, acc) in enumerate(states):
-        o_ref[:, g * dh:(g + 1) * dh] = _tiles.finish(l, acc).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[:, g * dh:(g + 1) * dh], _tiles.finish(l, acc).astype(o_ref.dtype), mask=valid)
 
 
 def _portable_call(scalars, tensors, *, group, dh, tp, block_k, scale, window_new, gt: GpuTiles, interpret):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
     b, hkv, s, _ = kc.shape
-    kernel = functools.partial(_portable_kernel, group=group, dh=dh, tp=tp, block_k=block_k, scale=scale,
-                               window_new=window_new)
+    kernel = functools.partial(_portable_kernel, group=group, dh=dh, t=qf.shape[1], tp=tp, block_k=block_k,
+                               scale=scale, window_new=window_new)
     whole = lambda x: pl.BlockSpec(x.shape, lambda bi, h: (0,) * x.ndim)
     per_row = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda bi, h: (bi,) + (0,) * (x.ndim - 1))
     heads = lambda width: pl.BlockSpec((None, tp, width), lambda bi, h: (bi, 0, h))  # columns h * width ..
