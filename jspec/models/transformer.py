@@ -102,7 +102,7 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, pos
         attn = layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible, jnp.int32(window))
     else:
         attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk)
-    h = h + linear(attn.reshape(b, t, hq * dh), lp["wo"])
+    h = jax.lax.optimization_barrier(h + linear(attn.reshape(b, t, hq * dh), lp["wo"]))
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if cfg.mlp_bias else ()
