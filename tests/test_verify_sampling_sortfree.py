@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jspec.verify.sampling import SamplingParams, _served_logprobs_sorted, flush_subnormals, served_logprobs
+from jspec.verify.sampling import (SamplingParams, _log_softmax_one_pass, _served_logprobs_sorted, flush_subnormals,
+                                   served_logprobs)
 
 # Derandomized: the same 60 examples on every machine (a CI run does not depend on its draw).
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
@@ -169,6 +170,30 @@ def test_flush_subnormals_is_the_comparison_it_replaces():
         np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))).view(np.int32), want)
     with pytest.raises(TypeError, match="takes float32"):
         flush_subnormals(jnp.zeros(3, jnp.bfloat16))
+
+
+@SETTINGS
+@given(st.sampled_from(KINDS), st.sampled_from(VOCABS + (4096,)), st.integers(0, 2 ** 31 - 1))
+def test_one_pass_log_softmax_is_log_softmax_up_to_the_rounding_of_its_sum(kind, vocab, seed):
+    """The GPU's log-softmax (max and sum in one reduction; CPU and TPU use jax.nn.log_softmax, so it
+    runs here only in this test): -inf exactly where jax.nn.log_softmax has it, elsewhere equal up to
+    the rounding of a V-term sum, its log and the final subtraction, eager and under jit."""
+    logits = jnp.asarray(_logits(np.random.default_rng(seed), ROWS, vocab, kind))
+    want = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for fn in (_log_softmax_one_pass, jax.jit(_log_softmax_one_pass)):
+        got = np.asarray(fn(logits))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        assert np.isfinite(got[~np.isneginf(want)]).all()
+        finite = np.isfinite(want)
+        tol = (2 * vocab + 8) * 2.0 ** -24 + 2.0 ** -22 * np.abs(want[finite])
+        assert (np.abs(got[finite] - want[finite]) <= tol).all()
+
+
+def test_one_pass_log_softmax_of_a_lone_finite_entry_is_zero():
+    logits = jnp.asarray([[-jnp.inf, 3.0, -jnp.inf], [1e4, -jnp.inf, -1e4]], jnp.float32)
+    got = np.asarray(_log_softmax_one_pass(logits))
+    np.testing.assert_array_equal(got[0], [-np.inf, 0.0, -np.inf])
+    np.testing.assert_array_equal(got[1], [0.0, -np.inf, -2e4])
 
 
 def test_top_p_boundary_cases():

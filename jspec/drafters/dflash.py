@@ -53,7 +53,7 @@ from jspec.models.attention import KV_CHUNK, write_block
 from jspec.models.config import ModelConfig, default_rope_inv_freq
 from jspec.models.declare import abstract_tree, declare, init_tree, logical_axes, shapes, unbox
 from jspec.train import drafter as train_drafter
-from jspec.verify.sampling import log_softmax_at, served_logprobs
+from jspec.verify.sampling import log_softmax, log_softmax_at, served_logprobs
 
 
 def default_target_layer_ids(num_taps: int, num_target_layers: int) -> tuple[int, ...]:
@@ -347,7 +347,7 @@ class DFlash(Drafter):
         if self.tree_budget:
             logits = self.logits(dparams, state, ctx)
             tokens, parent, depth = jax.vmap(
-                lambda lg: ddtree.build_tree(jax.nn.log_softmax(lg, axis=-1), self.tree_budget))(logits)
+                lambda lg: ddtree.build_tree(log_softmax(lg), self.tree_budget))(logits)
             return Proposal(tokens, None, parent, depth), state
         return self.stage(dparams, state, ctx)[0], state
 

@@ -114,8 +114,9 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       reference).
 
     Nothing sorts the vocabulary: each threshold is found by `_bisect_threshold`, a search over the
-    order-preserving int32 image of float32 that settles 4 bits per pass over the row (8 passes, each
-    testing 15 candidate thresholds at once).
+    order-preserving int32 image of float32 that settles several bits per pass over the row: top-k's
+    threshold is any float (8 passes, each testing 15 candidate thresholds at once), top-p's a
+    probability, in [0, 1] (6 passes of 31 candidates).
 
     Exactness. All comparisons are the float comparisons `x >= t` of the backend, on values whose
     subnormals were flushed to zero first and against thresholds that are never subnormal
@@ -131,13 +132,14 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
       term). For the largest t* with m(t*) >= top_p, token i is kept iff p_i >= t* iff m(t) < top_p
       for the smallest float t above p_i, and that m(t) is the mass of the tokens strictly more likely
       than i: the rule above, decided per value, so ties stay together. m(above the max) = 0 < top_p,
-      so the most likely tokens are always kept; if rounding leaves even the full mass below top_p,
-      t* = -inf and every token is kept (as the sorted rule does). In exact arithmetic this is the
-      sort-and-cumsum rule token for token. In float32 the two sums differ in rounding, so they can
-      disagree only on a boundary tie group whose strictly greater mass lies within summation
-      rounding (at most about V * 2**-24) of top_p, where the sorted rule's own answer depends on how
-      the backend lowers cumsum. The search and the kept mass read p alone: one read of the row per
-      pass.
+      so the most likely tokens are always kept and t* <= max p <= 1; if rounding leaves even the
+      full mass below top_p, no t >= 0 qualifies and the search returns 0, whose mask p >= 0 keeps
+      every token (as the sorted rule does): the search need only cover [0, 1]. In exact arithmetic
+      this is the sort-and-cumsum rule token for token. In float32 the two sums differ in rounding,
+      so they can disagree only on a boundary tie group whose strictly greater mass lies within
+      summation rounding (at most about V * 2**-24) of top_p, where the sorted rule's own answer
+      depends on how the backend lowers cumsum. The search and the kept mass read p alone: one read
+      of the row per pass.
     - Under jit, XLA may recompute an elementwise producer (log_softmax, exp) inside each consumer
       fusion with different rounding, and a threshold taken from one copy then compared with
       another can keep nothing. `lax.optimization_barrier` pins the scaled logits (top-k) and p
@@ -155,7 +157,7 @@ def served_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     logits = flush_subnormals(logits / params.temperature)
     if params.top_k_on:
         logits = _keep_top_k(logits, params.top_k)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = log_softmax(logits)
     if params.top_p_on:
         logp = _keep_top_p(logp, params.top_p)
     return logp
@@ -196,12 +198,14 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
 
 @jax.jit
 def _top_p_cut(probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[..., 1] float32: the largest t with sum(probs[probs >= t]) >= top_p (-inf if none); probs
-    [..., V] materialised by the caller, subnormals flushed: each pass of the search reads it alone."""
+    """[..., 1] float32: the largest t with sum(probs[probs >= t]) >= top_p, or 0 if none (whose mask
+    probs >= 0 keeps every token, as the rule does then); probs [..., V] in [0, 1], materialised by the
+    caller, subnormals flushed: each pass of the search reads it alone. The answer lies in [0, 1], so
+    the search runs over non-negative floats (`nonnegative=True`: 6 passes instead of 8)."""
     top_p = jnp.asarray(top_p, jnp.float32)
     return _bisect_threshold(
         lambda t: jnp.sum(jnp.where(probs[..., None, :] >= t, probs[..., None, :], 0.0), axis=-1, keepdims=True)
-        >= top_p, probs.shape[:-1] + (1,))
+        >= top_p, probs.shape[:-1] + (1,), nonnegative=True)
 
 
 # int32 images (see _key_to_float) of -inf and +inf; the search never leaves this range, so it
@@ -242,10 +246,12 @@ def _key_to_float(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-_DIGIT_BITS = 4  # bits of the answer settled per pass over the row
+# (key bits searched, bits settled per pass over the row, offset added to a key to order it unsigned)
+_ANY_FLOAT = (32, 4, 0x80000000)  # every float32 key, offset binary: 8 passes of 15 candidates
+_NONNEGATIVE = (30, 5, 0)  # keys of floats in [0, 2), below 2**30: 6 passes of 31 candidates
 
 
-def _bisect_threshold(pred, shape: tuple[int, ...]) -> jax.Array:
+def _bisect_threshold(pred, shape: tuple[int, ...], *, nonnegative: bool = False) -> jax.Array:
     """Largest float32 t in [-inf, +inf] with pred(t), per row ([*shape], last axis 1); -inf if pred
     holds nowhere.
 
@@ -256,21 +262,27 @@ def _bisect_threshold(pred, shape: tuple[int, ...]) -> jax.Array:
     that set the next digit to 1..15 (lower bits 0) increase with the digit, so by monotonicity pred
     holds for a prefix of them, and the answer's digit is the length of that prefix. 8 calls of pred,
     each one pass over the row for all 15 candidates (a pass per bit would read the row 32 times).
+
+    nonnegative=True: the caller knows the answer is a float in [0, 2) or that pred(0) is false (then
+    0 is returned, not -inf). Those keys are the integers below 2**30 themselves (u = key), so the
+    search settles 30 bits, 5 per step: 6 calls of pred with 31 candidates each, the same bytes per
+    pass and two passes fewer.
     """
-    digits = jnp.arange(1, 1 << _DIGIT_BITS, dtype=jnp.uint32)[:, None]  # [15, 1]
+    key_bits, digit_bits, offset = _NONNEGATIVE if nonnegative else _ANY_FLOAT
+    digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)[:, None]  # [2**digit_bits - 1, 1]
 
     def step(i, u):
-        shift = (32 - _DIGIT_BITS * (i + 1)).astype(jnp.uint32)
-        trial = u[..., None, :] | jax.lax.shift_left(digits, shift)  # [*shape[:-1], 15, 1]
-        held = pred(_key_to_float(_unsigned_to_key(trial)))
+        shift = (key_bits - digit_bits * (i + 1)).astype(jnp.uint32)
+        trial = u[..., None, :] | jax.lax.shift_left(digits, shift)  # [*shape[:-1], candidates, 1]
+        held = pred(_key_to_float(_unsigned_to_key(trial, offset)))
         return u | jax.lax.shift_left(jnp.sum(held, axis=-2, dtype=jnp.uint32), shift)
 
-    u = jax.lax.fori_loop(0, 32 // _DIGIT_BITS, step, jnp.zeros(shape, jnp.uint32))
-    return _key_to_float(_unsigned_to_key(u))
+    u = jax.lax.fori_loop(0, key_bits // digit_bits, step, jnp.zeros(shape, jnp.uint32))
+    return _key_to_float(_unsigned_to_key(u, offset))
 
 
-def _unsigned_to_key(u: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
+def _unsigned_to_key(u: jax.Array, offset: int) -> jax.Array:
+    return jax.lax.bitcast_convert_type(u ^ jnp.uint32(offset), jnp.int32)
 
 
 def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -285,7 +297,7 @@ def _served_logprobs_sorted(logits: jax.Array, params: SamplingParams) -> jax.Ar
     if 0 < params.top_k < vocab:
         kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = log_softmax(logits)
     if params.top_p < 1.0:
         # Comparisons happen in sorted order and map back by index, so no recomputed copy of the
         # probabilities is ever compared with a threshold taken from the sorted one.
@@ -316,6 +328,46 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """
     return jax.lax.platform_dependent(x, cpu=_first_argmax_two_passes, tpu=_first_argmax_two_passes,
                                       default=lambda v: jnp.argmax(v, axis=-1).astype(jnp.int32))
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax over the last axis, float32 x [..., V]: x - max - log(sum(exp(x - max))).
+
+    Every per-round vocabulary log-softmax of a served distribution (and of DFlash's tree building)
+    goes through it. On GPU the maximum and the sum come from one reduction
+    (`_log_softmax_stats_one_pass`: a running maximum and a sum rescaled to it), one read of the row
+    where jax.nn.log_softmax's max and sum are two (H200, Qwen3-8B tree of 32 nodes at batch 8 / 4k,
+    top-p: 32.18 -> 31.95 GB a round). XLA:CPU's variadic reductions are several times slower than
+    two plain ones (see `first_argmax`), and XLA:TPU moved the same bytes either way (v5p chain at
+    batch 1 / 4k, top-p: 19.467 GB), so both keep jax.nn.log_softmax. The two differ only in the
+    rounding of the sum.
+    """
+    return jax.lax.platform_dependent(x, cpu=_log_softmax_two_passes, tpu=_log_softmax_two_passes,
+                                      default=_log_softmax_one_pass)
+
+
+def _log_softmax_two_passes(x: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def _log_softmax_one_pass(x: jax.Array) -> jax.Array:
+    top, total = _log_softmax_stats_one_pass(x)
+    shifted = x - top[..., None]
+    return shifted - jnp.log(total)[..., None]
+
+
+def _log_softmax_stats_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(max, sum(exp(x - max))) over the last axis in one variadic reduction: each element enters as
+    (x_i, 1); two partial results (m_a, s_a), (m_b, s_b) combine to (m, s_a e^(m_a - m) + s_b e^(m_b - m))
+    with m = max(m_a, m_b), a part whose maximum is m keeping its sum as it is (so -inf parts, whose
+    sum is 0, never make -inf - -inf)."""
+    def combine(a, b):
+        (m_a, s_a), (m_b, s_b) = a, b
+        m = jnp.maximum(m_a, m_b)
+        rescale = lambda m_i, s_i: jnp.where(m_i == m, s_i, s_i * jnp.exp(m_i - m))
+        return m, rescale(m_a, s_a) + rescale(m_b, s_b)
+
+    return jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0.0)), combine, (x.ndim - 1,))
 
 
 def _first_argmax_two_passes(x: jax.Array) -> jax.Array:
