@@ -410,6 +410,7 @@ def test_cache_beyond_memory_is_refused_with_the_numbers(small, monkeypatch):
     ("temperature", 1e-45, "outside the float32 range"),
     ("top_p", 0.0, "top_p must lie in (0, 1] (1 = off), got 0.0"),
     ("top_p", 1.5, "got 1.5"),
+    ("top_p", 1e-40, "below float32's smallest normal number 1.18e-38"),  # flushed to 0: nothing kept
     ("top_p", float("nan"), "got nan"),
     ("top_k", -1, "top_k must be an integer >= 0 (0 = off), got -1"),
     ("top_k", 2.5, "got 2.5"),

@@ -90,6 +90,10 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
                          "every token, so pass 0 (off)")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {top_p!r}")
+    if top_p < _F32.tiny:
+        raise ValueError(f"top_p {top_p!r} is below float32's smallest normal number {_F32.tiny:.3g}, which the "
+                         "compiled loops may flush to 0 (then no token would be kept): pass a top_p >= 1.2e-38; any "
+                         "top_p below the most likely token's probability keeps only the most likely token(s)")
 
 
 _F32 = np.finfo(np.float32)
