@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jspec.verify.sampling import (SamplingParams, _log_softmax_one_pass, _served_logprobs_sorted, flush_subnormals,
-                                   served_logprobs)
+from jspec.verify.sampling import (SamplingParams, _bisect_threshold, _log_softmax_one_pass, _served_logprobs_sorted,
+                                   flush_subnormals, served_logprobs)
 
 # Derandomized: the same 60 examples on every machine (a CI run does not depend on its draw).
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
@@ -187,6 +187,26 @@ def test_one_pass_log_softmax_is_log_softmax_up_to_the_rounding_of_its_sum(kind,
         finite = np.isfinite(want)
         tol = (2 * vocab + 8) * 2.0 ** -24 + 2.0 ** -22 * np.abs(want[finite])
         assert (np.abs(got[finite] - want[finite]) <= tol).all()
+
+
+@SETTINGS
+@given(st.sampled_from(KINDS), st.sampled_from(VOCABS + (4096,)), st.integers(0, 2 ** 31 - 1),
+       st.sampled_from([1e-6, 0.5, 0.9, 0.999999]))
+def test_top_p_search_finds_the_same_threshold_at_every_digit_width(kind, vocab, seed, top_p):
+    """top-p's search over [0, 1] settles 3 bits per pass on CPU and 5 on GPU and TPU (only the first
+    runs in served_logprobs here): every width gives the same threshold, and so does the search over
+    every float (which returns -inf where the others return 0: both keep every token)."""
+    logits = jnp.asarray(_logits(np.random.default_rng(seed), ROWS, vocab, kind))
+    probs = flush_subnormals(jnp.exp(jax.nn.log_softmax(logits, axis=-1)))
+    top_p = jnp.float32(top_p)
+    pred = lambda t: jnp.sum(jnp.where(probs[:, None, :] >= t, probs[:, None, :], 0.0), axis=-1, keepdims=True) >= top_p
+    cuts = {bits: np.asarray(_bisect_threshold(pred, (ROWS, 1), nonnegative=True, digit_bits=bits))
+            for bits in (1, 2, 3, 5, 6, 10)}
+    for bits, cut in cuts.items():
+        np.testing.assert_array_equal(cut, cuts[3], err_msg=f"{bits} bits per pass")
+    any_float = np.asarray(_bisect_threshold(pred, (ROWS, 1)))
+    np.testing.assert_array_equal(np.where(np.isneginf(any_float), 0.0, any_float), cuts[3])
+    assert (cuts[3] >= 0).all() and (cuts[3] <= np.asarray(probs).max(-1, keepdims=True)).all()
 
 
 def test_one_pass_log_softmax_of_a_lone_finite_entry_is_zero():
