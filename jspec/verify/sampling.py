@@ -269,10 +269,11 @@ def _bisect_threshold(pred, shape: tuple[int, ...], *, nonnegative: bool = False
     pred: float32 [*shape[:-1], n, 1] (n candidate thresholds per row) -> bool of the same shape,
     non-increasing in t (pred(t) and s <= t imply pred(s)); each candidate is decided on its own.
     The int32 key of the answer is built digit by digit from the top in offset binary (u = key +
-    2**31, which orders like key), 4 bits per step: with the higher digits final, the 15 candidates
-    that set the next digit to 1..15 (lower bits 0) increase with the digit, so by monotonicity pred
-    holds for a prefix of them, and the answer's digit is the length of that prefix. 8 calls of pred,
-    each one pass over the row for all 15 candidates (a pass per bit would read the row 32 times).
+    2**31, which orders like key), digit_bits (default 4) per step: with the higher digits final, the
+    15 candidates that set the next digit to 1..15 (lower bits 0) increase with the digit, so by
+    monotonicity pred holds for a prefix of them, and the answer's digit is the length of that prefix.
+    8 calls of pred, each one pass over the row for all 15 candidates (a pass per bit would read the
+    row 32 times).
 
     nonnegative=True: the caller knows the answer is a float in [0, 2) or that pred(0) is false (then
     0 is returned, not -inf). Those keys are the integers below 2**30 themselves (u = key), so the
@@ -344,7 +345,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
-    """jax.nn.log_softmax over the last axis, float32 x [..., V]: x - max - log(sum(exp(x - max))).
+    """jax.nn.log_softmax over the last axis of x [..., V]: x - max - log(sum(exp(x - max))).
 
     Every per-round vocabulary log-softmax of a served distribution (and of DFlash's tree building)
     goes through it. On GPU the maximum and the sum come from one reduction
@@ -380,7 +381,8 @@ def _log_softmax_stats_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         rescale = lambda m_i, s_i: jnp.where(m_i == m, s_i, s_i * jnp.exp(m_i - m))
         return m, rescale(m_a, s_a) + rescale(m_b, s_b)
 
-    return jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0.0)), combine, (x.ndim - 1,))
+    init = (np.array(-np.inf, x.dtype), np.array(0, x.dtype))
+    return jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
 
 
 def _first_argmax_two_passes(x: jax.Array) -> jax.Array:
