@@ -84,12 +84,14 @@ def test_one_compilation_serves_every_value():
 
 def test_stages_that_are_off_are_not_in_the_program():
     logits = jnp.zeros((2, CFG.vocab_size))
-    text = {name: jax.jit(served_logprobs).lower(logits, s.traced()).as_text() for name, s in
+    # The optimized program, not the lowered one: a platform choice (`lax.platform_dependent`) lowers to a case on
+    # a constant index, which the compiler resolves; what must not survive is a conditional decided at run time.
+    text = {name: jax.jit(served_logprobs).lower(logits, s.traced()).compile().as_text() for name, s in
             {"none": SamplingParams(1.0), "top-k": SamplingParams(1.0, top_k=3), "top-p": SamplingParams(1.0, top_p=0.5),
              "both": SamplingParams(1.0, top_k=3, top_p=0.5)}.items()}
-    searches = {name: t.count("stablehlo.while") for name, t in text.items()}  # one threshold search per stage
+    searches = {name: t.count(" while(") for name, t in text.items()}  # one threshold search per stage
     assert searches == {"none": 0, "top-k": 1, "top-p": 1, "both": 2}
-    assert not any("stablehlo.case" in t for t in text.values())  # no conditional around a stage
+    assert not any("conditional(" in t for t in text.values())  # no conditional around a stage
 
 
 def test_flags_on_with_values_off_serve_the_plain_distribution():
