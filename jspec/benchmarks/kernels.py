@@ -16,7 +16,8 @@ compiles both kernels and their jnp references for a real chip without one (run 
 prints the HBM bytes one call moves, read from the optimized HLO of a loop around the call
 (`jspec.aot.hlo_bytes`: each top-level kernel's operands read + results written; a Pallas call counts
 its whole operands, which at a full context is what its BlockSpecs fetch too: every weight block
-once, every context tile once). No device: no times.
+once, every context tile once). No device: no times. With --jax-ops a TPU run also compiles JAX's own
+`ragged_paged_attention` on the chain verify pass it fits (`jax_ragged_case`), for comparison.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ AOT_BLOCK, AOT_CONTEXT, AOT_NODES = 16, 4096, 33
 
 def aot_case(kernel: str, impl: str, dtype, *, context: int = AOT_CONTEXT, batch: int = 1):
     """(fn, abstract args) of one call at Qwen3-8B / DFlash-b16 shape: kernel "draft" | "tree",
-    impl "reference" | "tpu" | "portable"."""
+    impl "reference" | "tpu" | "portable", or for "tree" on a TPU "jax-ragged" (`jax_ragged_case`)."""
     from jspec.models.config import ModelConfig
 
     cfg = ModelConfig(**AOT_CFG)
@@ -88,6 +89,8 @@ def aot_case(kernel: str, impl: str, dtype, *, context: int = AOT_CONTEXT, batch
             call = lambda *a: ref_draft_layer(*a, cfg)
         else:
             call = lambda *a: draft_layer(*a, cfg, impl=impl, interpret=False)
+    elif kernel == "tree" and impl == "jax-ragged":
+        return jax_ragged_case(cfg, dtype, context, batch)
     elif kernel == "tree":
         t, hq, hkv, dh = AOT_NODES, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cache = sds((batch, hkv, context, dh), dtype)  # heads-major, as the target's KV cache
@@ -99,6 +102,34 @@ def aot_case(kernel: str, impl: str, dtype, *, context: int = AOT_CONTEXT, batch
             call = lambda *a: tree_attention(*a, impl=impl, interpret=False)
     else:
         raise ValueError(f"unknown kernel {kernel!r}: draft or tree")
+    return call, args
+
+
+RAGGED_PAGE = 16  # rows per page of the paged cache below
+
+
+def jax_ragged_case(cfg, dtype, context: int, batch: int):
+    """JAX's own TPU kernel for mixed prefill / decode, `ragged_paged_attention`, on the pass it fits: a
+    chain verify pass, AOT_NODES query rows with a causal mask, their K/V already written after
+    `context` committed rows. Its cache layout is not jspec's: pages [P, page, 2 * Hkv, Dh] with K and
+    V heads interleaved (jspec: [B, Hkv, S, Dh] each), a page table per sequence, and no ancestor mask
+    (tree passes). Block sizes are given (the kernel looks them up by the default device's TPU
+    version, which a compile-only chip is not): all query rows in one block, so the context is read
+    once, and 16 pages (256 rows) per KV block."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    t, hq, hkv, dh = AOT_NODES, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pages = -(-(context + t) // RAGGED_PAGE)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((batch * t, hq, dh), dtype), sds((batch * pages, RAGGED_PAGE, 2 * hkv, dh), dtype),
+            sds((batch,), jnp.int32), sds((batch, pages), jnp.int32), sds((batch + 1,), jnp.int32),
+            sds((1,), jnp.int32))
+
+    def call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=dh ** -0.5,
+                                      num_kv_pages_per_block=16, num_queries_per_block=1 << (t - 1).bit_length(),
+                                      vmem_limit_bytes=64 << 20)
+
     return call, args
 
 
@@ -164,9 +195,11 @@ def aot_compile(chip: str, kernel: str, impl: str, dtype, **shape) -> dict:
             "temp": int(compiled.memory_analysis().temp_size_in_bytes)}
 
 
-def aot_main(chip: str, dtypes, kernels=("draft", "tree"), reference: bool = True, json_path: str | None = None):
+def aot_main(chip: str, dtypes, kernels=("draft", "tree"), reference: bool = True, json_path: str | None = None,
+             jax_ops: bool = False):
     """Compile each kernel (and its reference) for `chip`; print bytes per call; optionally write JSON.
-    A failed compile is reported in its row ("error") and does not stop the others."""
+    jax_ops: on a TPU, also JAX's own `ragged_paged_attention` on the chain verify pass it fits
+    (`jax_ragged_case`). A failed compile is reported in its row ("error") and does not stop the others."""
     import json
 
     from jspec.aot import devices
@@ -175,7 +208,8 @@ def aot_main(chip: str, dtypes, kernels=("draft", "tree"), reference: bool = Tru
     rows = []
     for dtype in dtypes:
         for kernel in kernels:
-            for which in ((impl, "reference") if reference else (impl,)):
+            extra = ("jax-ragged",) if jax_ops and kernel == "tree" and devices.is_tpu(chip) else ()
+            for which in ((impl, "reference") if reference else (impl,)) + extra:
                 row = compiled_row(lambda: aot_compile(chip, kernel, which, jnp.dtype(dtype)), chip=chip,
                                    kernel=kernel, impl=which, dtype=jnp.dtype(dtype).name)
                 rows.append(row)
@@ -214,10 +248,12 @@ def main(argv=None) -> None:
     ap.add_argument("--aot-dtypes", default=None, help="comma-separated dtypes for --aot (default: --dtype)")
     ap.add_argument("--no-reference", action="store_true", help="with --aot, compile only the kernels")
     ap.add_argument("--json", default=None, help="with --aot, write the rows here")
+    ap.add_argument("--jax-ops", action="store_true", help="with --aot on a TPU, also compile JAX's own "
+                    "ragged_paged_attention on the chain verify pass (query rows with a causal mask)")
     args = ap.parse_args(argv)
     if args.aot:
         dtypes = (args.aot_dtypes or args.dtype).split(",")
-        aot_main(args.aot, dtypes, reference=not args.no_reference, json_path=args.json)
+        aot_main(args.aot, dtypes, reference=not args.no_reference, json_path=args.json, jax_ops=args.jax_ops)
         return
     dtype = jnp.dtype(args.dtype)
     if args.shape == "qwen3-8b":
