@@ -10,7 +10,7 @@ program has one set per layer. This compiles the same decode loop both ways at Q
 (bf16, batch 1, a 4096-row cache, T new tokens a round, plain causal attention over the cache, argmax of
 the last row's logits) and prints memory_analysis() with the temp split into data, tuple tables and
 slots outside the temp block, the copies of at least 1 MB in the program, and the HBM bytes a round
-moves (jspec.aot.hlo_bytes: the scan's nested loop counted 36 times):
+moves (jspec.aot.hlo_bytes: the scan's nested loop counted once per layer):
 
   unroll  per-layer weight and cache arrays, a Python loop over them (jspec's layout);
   scan    stacked [L, ...] weights and caches, `lax.scan` over the layer index, the caches in the carry
