@@ -451,6 +451,9 @@ def test_bench_aot_real_loops_at_a_small_shape(chip, tmp_path):
         assert r["ratio"] == pytest.approx(r["ideal"] / b["total"])
         assert r["kernels"] > 0 and r["memory"]["temp"] > 0 and r["cache_bytes"] > 0
         assert r["pass"] == all(r["checks"].values())
+        split = r["temp_split"]  # read from the program's own buffer assignment (jspec.aot.temp)
+        assert split["temp"] == r["memory"]["temp"] and 0 < split["data"] <= split["temp"]
+        assert split["data"] + split["tables"] + split["outside"] == split["temp"]
     spec, tree, plain = rows
     # The speculative rounds also read the drafter's weights and, for its logits, the target's LM head
     # (tiny: vocab 1024 x 256, bf16); the embedding table is not in the ideal; a tree verifies more

@@ -118,13 +118,22 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     Q4 matmul that `kernels` names (jspec.models.quant)."""
     import jax
 
+    import tempfile
+
+    from jspec.aot import temp
+
     dev = devices.aot_device(chip)
-    with jax.default_device(dev):
+    with jax.default_device(dev), tempfile.TemporaryDirectory(prefix="jspec-aot-") as dump:
         program = case_program(shape, case, kernels, q4)
         lowered = program.loop.lower(*devices.abstract(program.args, dev))
         start = time.perf_counter()
-        compiled = lowered.compile()
-    return compiled, {**program.info, "compile_s": time.perf_counter() - start}
+        # XLA writes the program's buffer assignment there, which tells the temp's data from the
+        # compiler's per-operation slots (jspec.aot.temp).
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        seconds = time.perf_counter() - start
+        with open(temp.dumps(dump)[0]) as f:
+            split = temp.breakdown(f.read(), int(compiled.memory_analysis().temp_size_in_bytes))
+    return compiled, {**program.info, "compile_s": seconds, "temp_split": split}
 
 
 @functools.lru_cache(maxsize=2)
@@ -259,6 +268,8 @@ def score(chip: str, shape: str, case: Case, text: str, mem: dict, info: dict, t
         "round_bound_s": loop.total / devices.HBM_BANDWIDTH[chip], "checks": checks, "pass": all(checks.values()),
         "compile_s": info["compile_s"],
     }
+    if "temp_split" in info:  # absent when rescored from a dump that predates it
+        row["temp_split"] = info["temp_split"]
     if trace:
         row["top"] = top_consumers(loop)
     return row
@@ -345,6 +356,14 @@ LEGEND = ("ideal = target weights without the embedding table (only gathered) + 
           "drafter's caches + K/V rows written; ratio = ideal / actual")
 
 
+def temp_split_text(split: dict) -> str:
+    """A row's temp split (jspec.aot.temp.breakdown) in MB: data, and the compiler's per-operation slots."""
+    mb = lambda x: f"{x / 1e6:.1f}"  # noqa: E731
+    return (f"{mb(split['temp'])} MB = {mb(split['data'])} data + {mb(split['tables'])} in tuple tables "
+            f"({split['tuple_values']} tuple-shaped values) + {mb(split['outside'])} outside the temp block "
+            f"({split['thread_local']} reduction scalars, {split['constants']} constants)")
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
@@ -389,6 +408,9 @@ def run(chip: str, shape: str, selected: list[Case], json_path: str | None = Non
     if unknown:
         print(f"note: {len(unknown)} inner loops with a data-dependent trip count were counted once "
               f"(listed under bytes.unknown_trips in the JSON)", file=out)
+    for r in rows:
+        if not r["checks"]["temp"] and "temp_split" in r:
+            print(f"temp of {r['case']}: {temp_split_text(r['temp_split'])}", file=out)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"chip": chip, "shape": shape, "rows": rows}, f, indent=1)

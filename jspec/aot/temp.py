@@ -1,7 +1,9 @@
 """What a compiled program's temp memory holds, from XLA's buffer-assignment dump.
 
-    XLA_FLAGS=--xla_dump_to=DIR jspec bench --aot tpu-v5p --aot-shape qwen3-8b ...
-    python -m jspec.aot.temp DIR
+    python -m jspec.aot.temp DIR [TEMP_BYTES]    # DIR: a dump, e.g. from XLA_FLAGS=--xla_dump_to=DIR
+
+(`jspec bench --aot` splits every program it compiles this way and prints the split of each row that
+fails its temp target.)
 
 `memory_analysis().temp_size_in_bytes` is one number; the bench's temp target needs to know whether it
 is data (activations, logits, sampling buffers: what the program's code decides) or the compiler's
@@ -16,8 +18,9 @@ dump's `*after_optimizations-buffer-assignment.txt` tells them apart:
               reduction computations ("thread-local") and the program's constants, counted here by
               number (`thread_local`, `constants`).
 
-On XLA:TPU a Qwen3-8B loop with its 36 layers unrolled spends most of its temp on the last two (jspec's
-README, "What the batch 1 / 4k temp holds"); both shrink with fewer operations, not with smaller arrays.
+On XLA:TPU a Qwen3-8B loop with its 36 layers unrolled spends most of its temp on the last two (the
+README's TPU v5p tables under "Without an accelerator"); both shrink with fewer operations, not with
+smaller arrays (`python -m jspec.benchmarks.layer_loop_temp`).
 """
 
 from __future__ import annotations
