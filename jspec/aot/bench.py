@@ -116,9 +116,9 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes. q4: the
     target's matrices (embedding and LM head included) in affine Q4 group-64 form, multiplied by the
     Q4 matmul that `kernels` names (jspec.models.quant)."""
-    import jax
-
     import tempfile
+
+    import jax
 
     from jspec.aot import temp
 
