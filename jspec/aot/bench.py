@@ -116,24 +116,18 @@ def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", 
     """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes. q4: the
     target's matrices (embedding and LM head included) in affine Q4 group-64 form, multiplied by the
     Q4 matmul that `kernels` names (jspec.models.quant)."""
-    import tempfile
-
     import jax
 
     from jspec.aot import temp
 
     dev = devices.aot_device(chip)
-    with jax.default_device(dev), tempfile.TemporaryDirectory(prefix="jspec-aot-") as dump:
+    with jax.default_device(dev):
         program = case_program(shape, case, kernels, q4)
         lowered = program.loop.lower(*devices.abstract(program.args, dev))
         start = time.perf_counter()
-        # XLA writes the program's buffer assignment there, which tells the temp's data from the
-        # compiler's per-operation slots (jspec.aot.temp).
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
-        seconds = time.perf_counter() - start
-        with open(temp.dumps(dump)[0]) as f:
-            split = temp.breakdown(f.read(), int(compiled.memory_analysis().temp_size_in_bytes))
-    return compiled, {**program.info, "compile_s": seconds, "temp_split": split}
+        # the temp split tells the data from the compiler's per-operation slots (jspec.aot.temp)
+        compiled, split = temp.compile_and_split(lowered)
+    return compiled, {**program.info, "compile_s": time.perf_counter() - start, "temp_split": split}
 
 
 @functools.lru_cache(maxsize=2)

@@ -54,10 +54,10 @@ def parse(text: str) -> list[dict]:
     return allocations
 
 
-def breakdown(text: str, temp_bytes: int) -> dict:
+def breakdown(text: str, temp_bytes: int | None = None) -> dict:
     """Split `temp_bytes` (the program's `memory_analysis().temp_size_in_bytes`) by what it holds (the
-    module docstring's data / tables / outside). Raises ValueError when the dump has no main-memory
-    temp block."""
+    module docstring's data / tables / outside). Without temp_bytes, the temp block alone (`outside` 0).
+    Raises ValueError when the dump has no main-memory temp block."""
     allocations = parse(text)
     blocks = [a for a in allocations if a["kind"] == "preallocated-temp" and a["color"] == 0]
     if len(blocks) != 1:
@@ -67,6 +67,7 @@ def breakdown(text: str, temp_bytes: int) -> dict:
     arrays = [(size, offset) for _, size, offset, shape in block["values"] if not shape.startswith("(")]
     data = max((size + offset for size, offset in arrays), default=0)
     main = [a for a in allocations if a["color"] == 0]
+    temp_bytes = block["size"] if temp_bytes is None else temp_bytes
     return {
         "temp": temp_bytes,
         "data": data,
@@ -84,6 +85,18 @@ def dumps(directory: str) -> list[str]:
     return sorted(files, key=os.path.getsize, reverse=True)
 
 
+def compile_and_split(lowered):
+    """`lowered.compile()` with XLA's dump written to a temporary folder: (compiled, `breakdown` of its
+    temp). The folder (tens of MB for a Qwen3-8B loop) is removed before returning."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jspec-temp-") as dump:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        with open(dumps(dump)[0]) as f:
+            split = breakdown(f.read(), int(compiled.memory_analysis().temp_size_in_bytes))
+    return compiled, split
+
+
 def main(argv=None) -> int:
     """`python -m jspec.aot.temp DIR [TEMP_BYTES]`: the largest program's buffer assignment in DIR,
     split into data and the compiler's slots. Without TEMP_BYTES the `outside` share is not known and
@@ -99,11 +112,7 @@ def main(argv=None) -> int:
         return 1
     with open(files[0]) as f:
         text = f.read()
-    temp = int(argv[1]) if len(argv) == 2 else None
-    if temp is None:
-        block = next(a for a in parse(text) if a["kind"] == "preallocated-temp" and a["color"] == 0)
-        temp = block["size"]
-    b = breakdown(text, temp)
+    b = breakdown(text, int(argv[1]) if len(argv) == 2 else None)
     print(os.path.basename(files[0]))
     mb = lambda x: f"{x / 1e6:8.2f} MB"  # noqa: E731
     print(f"  data     {mb(b['data'])}")

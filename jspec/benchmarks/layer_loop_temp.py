@@ -24,8 +24,6 @@ bytes a round moves (`jspec bench --aot h200`), not in this table. Needs the dev
 from __future__ import annotations
 
 import argparse
-import re
-import tempfile
 
 from jspec.aot import devices
 
@@ -123,23 +121,15 @@ def measure(chip: str, layout: str, layers: int, tokens: int, cache_rows: int) -
 
     dev = devices.aot_device(chip)
     loop, args = program(layout, layers, tokens, cache_rows)
-    with tempfile.TemporaryDirectory() as dump, jax.default_device(dev):
-        compiled = jax.jit(loop, donate_argnums=(1,)).lower(*devices.abstract(args, dev)).compile(
-            compiler_options={"xla_dump_to": dump})
-        ma = compiled.memory_analysis()
-        with open(temp.dumps(dump)[0]) as f:
-            split = temp.breakdown(f.read(), ma.temp_size_in_bytes)
+    with jax.default_device(dev):
+        lowered = jax.jit(loop, donate_argnums=(1,)).lower(*devices.abstract(args, dev))
+        compiled, split = temp.compile_and_split(lowered)
     text = compiled.as_text()
-    moved = hlo_bytes.decode_loop_bytes(text)
-    big_copies = 0
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(", text):
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        size = 1
-        for d in dims:
-            size *= d
-        big_copies += size * (2 if m.group(1) in ("bf16", "f16", "s16", "u16") else 4) >= 1 << 20
-    return {"layout": layout, **split, "code": ma.generated_code_size_in_bytes, "big_copies": big_copies,
-            "round": moved.weights + moved.kv_reads + moved.cache_writes + moved.other}
+    module = hlo_bytes.parse_module(text)
+    big_copies = sum(ins.opcode == "copy" and hlo_bytes.hbm_bytes(ins.shape) >= 1 << 20
+                     for comp in module.computations.values() for ins in comp.instrs.values())
+    return {"layout": layout, **split, "code": compiled.memory_analysis().generated_code_size_in_bytes,
+            "big_copies": big_copies, "round": hlo_bytes.decode_loop_bytes(text).total}
 
 
 def main(argv=None) -> int:
@@ -151,10 +141,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"{args.chip}, Qwen3-8B layer shape, {args.layers} layers, batch 1, {args.tokens} tokens a round, "
           f"{args.cache_rows}-row bf16 cache")
-    print(f"{'layout':8} {'temp MB':>8} {'data':>7} {'tables':>7} {'outside':>8} {'code MB':>8} {'copies >= 1 MB':>15} {'GB/round':>9}")
+    print(f"{'layout':8} {'temp MB':>8} {'data':>7} {'tables':>7} {'outside':>8} {'code MB':>8} "
+          f"{'copies >= 1 MB':>15} {'GB/round':>9}")
+    mb = lambda x: x / 1e6  # noqa: E731
     for layout in ("unroll", "scan"):
         r = measure(args.chip, layout, args.layers, args.tokens, args.cache_rows)
-        mb = lambda x: x / 1e6  # noqa: E731
         print(f"{layout:8} {mb(r['temp']):8.1f} {mb(r['data']):7.1f} {mb(r['tables']):7.1f} {mb(r['outside']):8.1f} "
               f"{mb(r['code']):8.1f} {r['big_copies']:15d} {r['round'] / 1e9:9.2f}")
     return 0
