@@ -96,9 +96,7 @@ def nan_filled_caches(monkeypatch):
     real_zeros = transformer.KVCache.zeros.__func__
 
     def nan_cache(cls, cfg, batch, size, dtype=jnp.float32):
-        c = real_zeros(cls, cfg, batch, size, dtype)
-        nan = lambda layers: tuple(jnp.full_like(x, jnp.nan) for x in layers)
-        return cls(nan(c.k), nan(c.v))
+        return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), real_zeros(cls, cfg, batch, size, dtype))
 
     monkeypatch.setattr(transformer.KVCache, "zeros", classmethod(nan_cache))
     jax.clear_caches()

@@ -191,6 +191,58 @@ ENTRY %main (w.2: bf16[4096,12288], x.2: bf16[16,4096], table.2: bf16[4096,12288
 """
 
 
+# A loop that updates a stacked [4, 1, 2, 64, 128] bf16 cache in place and hands it to two TPU kernels
+# (hand-written): %one declares what it moves (its cost estimate: q, its output and one layer of the
+# cache, 2048 + 2048 + 32768 bytes), %all declares nothing and is counted at its whole operands.
+_DECLARED_HLO = """HloModule declared
+
+%body (arg: (s32[], bf16[4,1,2,64,128], bf16[8,128])) -> (s32[], bf16[4,1,2,64,128], bf16[8,128]) {
+  %arg = (s32[], bf16[4,1,2,64,128]{4,3,2,1,0}, bf16[8,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %z = s32[] constant(0)
+  %step = s32[] constant(1)
+  %next = s32[] add(%i, %step)
+  %cache = bf16[4,1,2,64,128]{4,3,2,1,0} get-tuple-element(%arg), index=1
+  %q = bf16[8,128]{1,0} get-tuple-element(%arg), index=2
+  %row = bf16[1,1,2,1,128]{4,3,2,1,0} slice(%cache), slice={[0:1], [0:1], [0:2], [0:1], [0:128]}
+  %upd = bf16[4,1,2,64,128]{4,3,2,1,0} dynamic-update-slice(%cache, %row, %i, %z, %z, %z, %z)
+  %one = bf16[8,128]{1,0} custom-call(%q, %upd), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"x","cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"36864","remote_bytes_transferred":"0"}}}
+  %all = bf16[8,128]{1,0} custom-call(%one, %upd), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"x"}}
+  ROOT %out = (s32[], bf16[4,1,2,64,128]{4,3,2,1,0}, bf16[8,128]{1,0}) tuple(%next, %upd, %all)
+}
+
+%cond (carg: (s32[], bf16[4,1,2,64,128], bf16[8,128])) -> pred[] {
+  %carg = (s32[], bf16[4,1,2,64,128]{4,3,2,1,0}, bf16[8,128]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%carg), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (c.2: bf16[4,1,2,64,128], q.2: bf16[8,128]) -> bf16[8,128] {
+  %c.2 = bf16[4,1,2,64,128]{4,3,2,1,0} parameter(0), metadata={op_name="cache"}
+  %q.2 = bf16[8,128]{1,0} parameter(1), metadata={op_name="q"}
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,1,2,64,128]{4,3,2,1,0}, bf16[8,128]{1,0}) tuple(%zero, %c.2, %q.2)
+  %loop = (s32[], bf16[4,1,2,64,128]{4,3,2,1,0}, bf16[8,128]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %res = bf16[8,128]{1,0} get-tuple-element(%loop), index=2
+}
+"""
+
+
+def test_walker_takes_a_kernels_declared_bytes_for_its_cache_operands():
+    layer, q = 2 * 64 * 128 * 2, 8 * 128 * 2
+    r = hlo_bytes.decode_loop_bytes(_DECLARED_HLO, trace=True, weight_min_bytes=4096)
+    items = {n.split("/")[-1]: b for n, _, b, _ in r.items}
+    assert items["one"] == 36864 == q + q + layer  # one layer of the four, as declared
+    assert items["all"] == q + 4 * layer + q  # no declaration: every operand whole
+    assert r.kv_reads == layer + 4 * layer + 2 * 128 * 2  # and the slice of one [2, 128] row
+    # A declaration never adds reads: scaled only down, and only the cache operands.
+    reads = [(hlo_bytes.CACHE, 100.0), (hlo_bytes.OTHER, 10.0)]
+    assert hlo_bytes._within_declared(reads, 1000.0) == reads
+    assert hlo_bytes._within_declared(reads, 60.0) == [(hlo_bytes.CACHE, 50.0), (hlo_bytes.OTHER, 10.0)]
+    assert hlo_bytes._within_declared(reads, 5.0) == [(hlo_bytes.CACHE, 0.0), (hlo_bytes.OTHER, 10.0)]
+
+
 def test_walker_reads_weights_through_nested_bitcast_fusions():
     w, x = 4096 * 12288 * 2, 16 * 4096 * 2
     by_size = hlo_bytes.decode_loop_bytes(_NESTED_HLO, trace=True)

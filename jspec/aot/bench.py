@@ -112,17 +112,24 @@ def kv_row_bytes(cfg, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", q4: bool = False):
+def default_layer_loop(chip: str) -> str:
+    """The target's layer loop for `chip` (ModelConfig.layer_loop): "scan" on TPU, "unroll" on GPU."""
+    return "scan" if devices.is_tpu(chip) else "unroll"
+
+
+def compile_case(chip: str, shape: str, case: Case, kernels: str = "reference", q4: bool = False,
+                 layer_loop: str | None = None):
     """Compile `case` for `chip`; returns (compiled, info) where info has the analytic sizes. q4: the
     target's matrices (embedding and LM head included) in affine Q4 group-64 form, multiplied by the
-    Q4 matmul that `kernels` names (jspec.models.quant)."""
+    Q4 matmul that `kernels` names (jspec.models.quant). layer_loop: the target's (default: the chip's,
+    `default_layer_loop`)."""
     import jax
 
     from jspec.aot import temp
 
     dev = devices.aot_device(chip)
     with jax.default_device(dev):
-        program = case_program(shape, case, kernels, q4)
+        program = case_program(shape, case, kernels, q4, layer_loop=layer_loop or default_layer_loop(chip))
         lowered = program.loop.lower(*devices.abstract(program.args, dev))
         start = time.perf_counter()
         # the temp split tells the data from the compiler's per-operation slots (jspec.aot.temp)
@@ -152,9 +159,9 @@ class Program:
 
 
 def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = False, seed: int | None = None,
-                 prompt_len: int = PROMPT_LEN) -> Program:
+                 prompt_len: int = PROMPT_LEN, layer_loop: str = "unroll") -> Program:
     """The loop of `case` at `shape` (bf16 weights, prompts of `prompt_len` tokens, a cache of
-    `case.context` rows). Abstract weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed`
+    `case.context` rows, the target's layers run as `layer_loop`: ModelConfig.layer_loop). Abstract weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed`
     is given: then random weights and prompts from it, on the default device, to run for real (the
     last two models' weights are kept for the next case)."""
     import jax
@@ -165,7 +172,7 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
     from jspec.drafters import dflash
     from jspec.models.transformer import init_params
 
-    cfg = shapes()[shape]
+    cfg = dataclasses.replace(shapes()[shape], layer_loop=layer_loop)
     dtype = jnp.bfloat16
 
     def make(init, config, index):  # weights of one model: abstract, or random from (seed, index)
@@ -195,7 +202,8 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
     head = embed if cfg.tie_word_embeddings else _nbytes(params["lm_head"])
     info = {"weights_target": _nbytes(params), "weights_drafter": 0, "embed_bytes": embed, "head_bytes": head,
             "tied_head": bool(cfg.tie_word_embeddings), "drafter_head_bytes": 0, "kv_row_bytes": row,
-            "weight_min_bytes": min(1 << 20, smallest // 2), "weight_args": list(WEIGHT_ARGS)}
+            "weight_min_bytes": min(1 << 20, smallest // 2), "weight_args": list(WEIGHT_ARGS),
+            "layer_loop": layer_loop}
     if case.loop == "ar":
         program = Program(ar.generate_ar, (params, cfg, dcfg, *inputs), info)
         width, d_rows, d_row = 1, 0, 0
@@ -260,7 +268,7 @@ def score(chip: str, shape: str, case: Case, text: str, mem: dict, info: dict, t
         "target_ratio": case.target_ratio, "kernels": loop.kernels, "memory": mem,
         "cache_bytes": info["cache_bytes"], "overhead_bytes": overhead, "peak_bytes": peak, "hbm_bytes": hbm,
         "round_bound_s": loop.total / devices.HBM_BANDWIDTH[chip], "checks": checks, "pass": all(checks.values()),
-        "compile_s": info["compile_s"],
+        "compile_s": info["compile_s"], "layer_loop": info.get("layer_loop", "unroll"),
     }
     if "temp_split" in info:  # absent when rescored from a dump that predates it
         row["temp_split"] = info["temp_split"]
@@ -301,7 +309,7 @@ def _slug(case: Case) -> str:
 
 
 def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_dir: str | None = None,
-            q4: bool = False) -> dict:
+            q4: bool = False, layer_loop: str | None = None) -> dict:
     """One table row: bytes per round by class, ideal bytes, fraction, kernels, memory, pass/fail. With
     `dump_dir` (or $JSPEC_AOT_DUMP), the optimized HLO and the sizes are saved there, to be scored
     again without compiling (`python -m jspec.aot.bench --rescore DIR`)."""
@@ -310,7 +318,7 @@ def measure(chip: str, shape: str, case: Case, kernels: str = "reference", dump_
 
     from jspec.aot import hlo_bytes
 
-    compiled, info = compile_case(chip, shape, case, kernels, q4)
+    compiled, info = compile_case(chip, shape, case, kernels, q4, layer_loop)
     text = compiled.as_text()
     mem = hlo_bytes.memory_stats(compiled)
     dump_dir = dump_dir or os.environ.get("JSPEC_AOT_DUMP")
@@ -381,21 +389,22 @@ def table(rows: list[dict]) -> str:
 
 
 def run(chip: str, shape: str, selected: list[Case], json_path: str | None = None, kernels: str = "reference",
-        out=sys.stdout, q4: bool = False) -> list[dict]:
+        out=sys.stdout, q4: bool = False, layer_loop: str | None = None) -> list[dict]:
     """Measure every case, print the table (and each row as it completes, to stderr), write JSON."""
     devices.check_chip(chip)
     if shape not in shapes():
         raise ValueError(f"unknown shape {shape!r} for --aot: choose one of {', '.join(shapes())}")
     rows = []
     for case in selected:
-        row = measure(chip, shape, case, kernels, q4=q4)
+        row = measure(chip, shape, case, kernels, q4=q4, layer_loop=layer_loop)
         row["q4"] = q4
         rows.append(row)
         print(f"[{chip}] {case.label}: {_gb(row['bytes']['total'])} GB/round, ratio {row['ratio']:.3f}, "
               f"compiled in {row['compile_s']:.0f} s", file=sys.stderr, flush=True)
     unknown = sorted({t for r in rows for t in r["bytes"]["unknown_trips"]})
     print(f"\n{chip} ({devices.aot_device(chip).device_kind}), shape {shape}, "
-          f"{'Q4 target (bf16 scales, activations), bf16 drafter' if q4 else 'bf16'}; bytes per decode round in GB; "
+          f"{'Q4 target (bf16 scales, activations), bf16 drafter' if q4 else 'bf16'}, target layer loop "
+          f"{layer_loop or default_layer_loop(chip)}; bytes per decode round in GB; "
           f"kernels = launches per round; temp/output/cache/peak = device memory (GB)", file=out)
     print(LEGEND, file=out)
     print(table(rows), file=out)

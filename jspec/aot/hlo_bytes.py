@@ -21,6 +21,11 @@ the sum, over the instructions of the loop body, of operand bytes read + result 
   loop over the valid part of a cache has), at that bound (listed in `bounded_trips`: the cost at a
   full cache), else once (listed in `unknown_trips`);
 - conditionals counted at their most expensive branch (listed in `notes`);
+- a Pallas TPU kernel that declares what it moves (the `bytes_accessed` of its `pl.CostEstimate`, in
+  the custom call's backend config) counts that, not its whole operands: its cache operands are
+  scaled down to what the declaration leaves after its other operands and its output (the tree
+  kernel reads one layer of a stacked [L, ...] cache through a prefetched layer index, so XLA sees
+  all L layers as its operand);
 - buffers outside device memory (a layout with a memory space S(n), n > 0: TPU VMEM / SMEM, host)
   are on-chip or off-device traffic and count zero.
 
@@ -760,6 +765,9 @@ class Walker:
         else:
             for o in ins.operands:
                 reads.append((of(o), float(hbm_bytes(comp.instrs[o].shape))))
+            declared = _DECLARED_BYTES.search(ins.attrs) if op == "custom-call" else None
+            if declared:
+                reads = _within_declared(reads, float(declared.group(1)) - write)
         self.items_hook(acc, comp, ins, sum(b for _, b in reads) + write)
         split = [0.0, 0.0, 0.0, 0.0]  # weights, kv_reads, cache_writes, other
         for c, b in reads:
@@ -777,6 +785,20 @@ class Walker:
         acc.other += split[3]
         if self.trace:
             acc.class_bytes[f"{comp.name}/{ins.name}"] = tuple(split)
+
+
+_DECLARED_BYTES = re.compile(r'"cost_estimate":\s*\{[^}]*"bytes_accessed":\s*"?(\d+)')
+
+
+def _within_declared(reads: list[tuple], budget: float) -> list[tuple]:
+    """A kernel's operand reads with its cache reads scaled down so that all reads fit `budget`, the
+    bytes it declares it reads (never scaled up: a declaration cannot add reads)."""
+    fixed = sum(b for c, b in reads if c != CACHE)
+    cache = sum(b for c, b in reads if c == CACHE)
+    if cache <= 0 or fixed + cache <= budget:
+        return reads
+    f = max(budget - fixed, 0.0) / cache
+    return [(c, b * f if c == CACHE else b) for c, b in reads]
 
 
 def find_decode_loop(module: Module) -> Instr:

@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--aot-kernels", choices=["reference", "pallas"],
                    help="with --aot: the loops' attention and draft-layer implementation (default reference; "
                         "pallas: the Pallas kernels of jspec.kernels, compiled for the chip)")
+    x.add_argument("--aot-layer-loop", choices=["unroll", "scan"],
+                   help="with --aot: the target's layer loop (ModelConfig.layer_loop; default scan on TPU, unroll "
+                        "on GPU): stacked weights and caches scanned over, or per-layer arrays and an unrolled loop")
     x.add_argument("--q4", action="store_true",
                    help="with --aot: the target's matrices in affine Q4 group-64 form (9/16 byte per weight), "
                         "multiplied by the XLA dequantizing matmul or, with --aot-kernels pallas, the Q4 kernel")
@@ -123,7 +126,8 @@ def aot_main(args) -> int:
     from jspec.aot import bench
 
     selected = bench.cases(**(bench.QUICK if args.aot_quick else {}))
-    rows = bench.run(chip, shape, selected, json_path=args.json, kernels=args.aot_kernels or "reference", q4=args.q4)
+    rows = bench.run(chip, shape, selected, json_path=args.json, kernels=args.aot_kernels or "reference", q4=args.q4,
+                     layer_loop=args.aot_layer_loop)
     return 0 if rows else 1
 
 
@@ -183,8 +187,8 @@ def command_line(args) -> str:
 def main(args) -> int:
     if getattr(args, "aot", None):
         return aot_main(args)
-    if any(getattr(args, k, None) for k in ("aot_quick", "aot_shape", "aot_kernels", "q4", "json")):
-        raise SystemExit("--aot-quick, --aot-shape, --aot-kernels, --q4 and --json go with --aot CHIP")
+    if any(getattr(args, k, None) for k in ("aot_quick", "aot_shape", "aot_kernels", "aot_layer_loop", "q4", "json")):
+        raise SystemExit("--aot-quick, --aot-shape, --aot-kernels, --aot-layer-loop, --q4 and --json go with --aot CHIP")
     from jspec.bench.run import run_bench
 
     cfg = config_from_args(args)

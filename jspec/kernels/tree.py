@@ -83,7 +83,7 @@ def ref_tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bi
 
 def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, *,
                    window_new: bool = True, impl: str | None = None, interpret: Any = None,
-                   block_k: int | None = None, kv_heads: int | None = None) -> jax.Array:
+                   block_k: int | None = None, kv_heads: int | None = None, layer=None) -> jax.Array:
     """Tree attention by a Pallas kernel; same contract and result as `ref_tree_attention`.
 
     impl / interpret: see `jspec.kernels.pallas_setup`. block_k: cache rows per tile (TPU: a multiple
@@ -91,12 +91,18 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
     bf16, 32 for float32; the cache needs no padding: the TPU kernel's last tile overhangs and is
     masked, the portable kernel shifts its last tile back inside). kv_heads: KV heads per grid step on
     TPU (default: the most whose K tile fits the generation's `cache_tile_bytes`, at least the fewest
-    whose lanes are a multiple of 128)."""
+    whose lanes are a multiple of 128). layer: the caches are stacked [L, B, Hkv, S, Dh] (a scanned
+    layer loop) and the kernel reads layer `layer` (a traced index, prefetched as a scalar that picks
+    each tile's block) in place; TPU kernel only."""
     impl, interpret = pallas_setup(impl, interpret)
     b, t, hq, dh = q.shape
     if impl == "portable" and not interpret:
         require_pow2(head_dim=dh)
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    if layer is not None and impl != "tpu":
+        raise ValueError("a stacked cache (layer_loop='scan') is read by the TPU kernel only; on GPU keep the "
+                         "unrolled layer loop (layer_loop='unroll'), whose per-layer caches the GPU kernel reads")
+    lead = 0 if layer is None else 1
+    hkv, s = k_cache.shape[lead + 1], k_cache.shape[lead + 2]
     group = hq // hkv
     window = jnp.asarray(window, jnp.int32)
     tp = query_rows(t, impl)  # padded rows see no new key and are dropped
@@ -118,6 +124,8 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
         tiles = tpu_tiles()
         bk = min(round_up(block_k or tiles.cache_rows, 8), round_up(s, 8))
         hk = kv_heads or _tpu_kv_heads(hkv, dh, bk, k_cache.dtype.itemsize, tiles.cache_tile_bytes)
+        if layer is not None:
+            scalars += (jnp.asarray(layer, jnp.int32).reshape(1),)
         out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, tiles=tiles, **common)
     else:
         gt = gpu_tiles(jnp.dtype(q.dtype).itemsize)
@@ -143,20 +151,23 @@ def _cache_tile_bytes(heads: int, block_k: int, dh: int, itemsize: int) -> int:
     return heads * block_k * round_up(dh, 128) * itemsize
 
 
-def layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, **options):
+def layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, layer=None,
+                    **options):
     """The attention of `transformer._layer` in a tree pass, by the kernel: [B, T, Hq, Dh].
 
     q [B, T, Hq, Dh]; k, v [B, T, Hkv, Dh]: the new tokens' keys / values; k_cache, v_cache
     [B, Hkv, S, Dh] (the layer's cache buffers as they are) with those already written at cache_rows
     [B, T]; tree_mask [B, T, T] dense, packed here into the bitmask. Contract (every jspec tree pass):
-    cache_rows >= ctx_len, so new tokens never overwrite committed rows. options: as `tree_attention`."""
-    s = k_cache.shape[2]
+    cache_rows >= ctx_len, so new tokens never overwrite committed rows. layer: the caches are stacked
+    [L, B, Hkv, S, Dh] and layer `layer` is read. options: as `tree_attention`."""
+    s = k_cache.shape[-2]
     # A new token whose row fell outside the cache was dropped by the write: the reference cannot see it.
     written = (cache_rows >= 0) & (cache_rows < s)
     bits = pack_bits(tree_mask & written[:, None, :])
     # The reference reads new keys back from the cache, so round them through its dtype the same way.
     k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-    return tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, **options)
+    return tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, window, layer=layer,
+                          **options)
 
 
 def _stack_heads(q_ref, c: int, group: int, dh: int) -> jax.Array:
@@ -212,20 +223,24 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
 
 def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret, tiles: TpuTiles):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
-    b, hkv, s, _ = kc.shape
+    stacked = len(scalars) == 4  # lo, hi, window and the layer of a stacked [L, B, Hkv, S, Dh] cache
+    b, hkv, s, _ = kc.shape[-4:]
     num_tiles = -(-s // block_k)
     words = bits.shape[-1]
 
-    def cache_map(bi, g, j, lo_ref, hi_ref, win_ref):
+    def cache_map(bi, g, j, lo_ref, hi_ref, win_ref, *layer_ref):
         first, last = _tiles.context_tiles(lo_ref[bi], hi_ref[bi], block_k, num_tiles)
-        return bi, g, jnp.clip(j, first, last), 0
+        return tuple(r[0] for r in layer_ref) + (bi, g, jnp.clip(j, first, last), 0)
 
     row_map = lambda bi, g, j, *_: (bi, 0, g)
     fixed = lambda bi, g, j, *_: (bi, 0, 0)
     kernel = functools.partial(_tpu_kernel, hk=hk, group=group, dh=dh, tp=tp, block_k=block_k,
                                num_tiles=num_tiles, scale=scale, window_new=window_new)
+    if stacked:  # the layer index only picks the cache blocks
+        kernel = functools.partial(lambda body, lo, hi, win, _layer, *refs: body(lo, hi, win, *refs), kernel)
+    cache_block = (None,) * (1 + stacked) + (hk, block_k, dh)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=len(scalars),
         grid=(b, hkv // hk, num_tiles),
         in_specs=[
             pl.BlockSpec((None, tp, hk * group * dh), row_map),
@@ -234,8 +249,8 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
             pl.BlockSpec((None, tp, 1), fixed),
             pl.BlockSpec((None, 1, tp), fixed),
             pl.BlockSpec((None, tp, words), fixed),
-            pl.BlockSpec((None, hk, block_k, dh), cache_map),
-            pl.BlockSpec((None, hk, block_k, dh), cache_map),
+            pl.BlockSpec(cache_block, cache_map),
+            pl.BlockSpec(cache_block, cache_map),
         ],
         out_specs=pl.BlockSpec((None, tp, hk * group * dh), row_map),
         scratch_shapes=[
@@ -250,12 +265,21 @@ def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new
     tile_bytes = _cache_tile_bytes(hk, block_k, dh, kc.dtype.itemsize)
     need = (2 * (2 * q_bytes + 2 * tp * hk * dh * knf.dtype.itemsize + 2 * tile_bytes)
             + q_bytes + 4 * hk * group * tp * (2 * _tiles.STAT_LANES + dh))
+    # What a call moves at most (every tile of the context): its blocks, the output and one layer's K and
+    # V, however many layers a stacked cache holds. XLA sees the kernel's whole operands; the byte
+    # accounting of compiled rounds (jspec.aot.hlo_bytes) reads this declaration instead.
+    layer_cache = 2 * b * hkv * s * dh * kc.dtype.itemsize
+    small = sum(x.size * x.dtype.itemsize for x in (*scalars, qf, knf, vnf, pos_col, pos_row, bits))
+    cost = pl.CostEstimate(flops=4 * b * hkv * group * tp * (s + tp) * dh,
+                           transcendentals=b * hkv * group * tp * (s + tp),
+                           bytes_accessed=small + qf.size * qf.dtype.itemsize + layer_cache)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit(need, tiles)),
+        cost_estimate=cost,
         interpret=interpret,
     )(*scalars, *tensors)
 

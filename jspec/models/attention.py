@@ -94,13 +94,15 @@ def static_steps(kv_chunk: int | str | None, size: int, backend: str | None = No
     return tuple((i * rows, min(rows, size - i * rows)) for i in range(steps))
 
 
-def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array) -> jax.Array:
+def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """cache [B, Hkv, S, Dh] with new [B, T, Hkv, Dh] written at rows cache_rows [B, T] (T <= S).
 
     Every pass writes consecutive rows per batch row (cache_rows[b] = start_b + arange(T): prefill,
     decoding, chain and tree verification, whose nodes take consecutive scratch rows), and that is the
-    contract: only cache_rows[:, 0] is read. Rows >= S are dropped (`write_block`)."""
-    return write_block(cache, jnp.swapaxes(new, 1, 2), cache_rows[:, 0], axis=2)
+    contract: only cache_rows[:, 0] is read. Rows >= S are dropped (`write_block`). layer: a traced
+    index into a stacked cache [L, B, Hkv, S, Dh] (a scanned layer loop), whose layer `layer` takes
+    the rows in place."""
+    return write_block(cache, jnp.swapaxes(new, 1, 2), cache_rows[:, 0], axis=2, layer=layer)
 
 
 UNROLL_MAX_ROWS = 64  # batch rows up to which XLA:TPU gets one block slice / update per row (see write_block)
@@ -110,46 +112,61 @@ def _per_row(batch: int) -> bool:
     return compile_backend() == "tpu" and batch <= UNROLL_MAX_ROWS
 
 
-def _corner(cache: jax.Array, i: int, first, axis: int) -> tuple:
-    return (i,) + (0,) * (axis - 1) + (first,) + (0,) * (cache.ndim - axis - 1)
+def _lead(layer) -> tuple:
+    """Index prefix of a stacked cache's layer (none for a cache of one layer)."""
+    return () if layer is None else (jnp.asarray(layer, jnp.int32),)
+
+
+def _corner(shape: tuple[int, ...], i: int, first, axis: int, lead: tuple) -> tuple:
+    return lead + (i,) + (0,) * (axis - 1) + (first,) + (0,) * (len(shape) - axis - 1)
 
 
 _IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS  # every block was clipped into the cache
 
 
-def _windows(cache: jax.Array, block_start: jax.Array):
-    """(corners [B, 2], window dims): each batch row's block as one gather / scatter window."""
-    return jnp.stack([jnp.arange(cache.shape[0], dtype=jnp.int32), block_start], axis=1), tuple(range(1, cache.ndim))
+def _windows(batch: int, ndim: int, block_start: jax.Array, lead: tuple):
+    """(corners [B, len(lead) + 2], window dims, collapsed dims): each batch row's block as one gather /
+    scatter window of a cache of rank len(lead) + ndim."""
+    index = [jnp.broadcast_to(x, (batch,)) for x in lead] + [jnp.arange(batch, dtype=jnp.int32), block_start]
+    return jnp.stack(index, axis=1), tuple(range(1, ndim)), tuple(range(len(lead) + 1))
 
 
-def _read_blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int) -> jax.Array:
-    """[B, ..., T, ...]: each batch row's T-row block along `axis` from block_start (see write_block)."""
-    size = (1,) + cache.shape[1:axis] + (t,) + cache.shape[axis + 1:]
-    if _per_row(cache.shape[0]):
-        return jnp.concatenate([jax.lax.dynamic_slice(cache, _corner(cache, i, block_start[i], axis), size)
-                                for i in range(cache.shape[0])], axis=0)
-    corners, window = _windows(cache, block_start)
+def _read_blocks(cache: jax.Array, block_start: jax.Array, axis: int, t: int, lead: tuple = ()) -> jax.Array:
+    """[B, ..., T, ...]: each batch row's T-row block along `axis` from block_start (see write_block);
+    lead: the layer index of a stacked cache."""
+    n = len(lead)
+    shape = cache.shape[n:]  # one layer's [B, ...]
+    size = (1,) + shape[1:axis] + (t,) + shape[axis + 1:]
+    if _per_row(shape[0]):
+        return jnp.concatenate([jax.lax.dynamic_slice(cache, _corner(shape, i, block_start[i], axis, lead),
+                                                      (1,) * n + size).reshape(size)
+                                for i in range(shape[0])], axis=0)
+    corners, window, collapsed = _windows(shape[0], len(shape), block_start, lead)
     return jax.lax.gather(cache, corners, jax.lax.GatherDimensionNumbers(
-        offset_dims=window, collapsed_slice_dims=(0,), start_index_map=(0, axis)), size,
-        indices_are_sorted=True, mode=_IN_BOUNDS)
+        offset_dims=window, collapsed_slice_dims=collapsed, start_index_map=collapsed + (n + axis,)),
+        (1,) * n + size, indices_are_sorted=True, mode=_IN_BOUNDS)
 
 
-def _write_blocks(cache: jax.Array, blocks: jax.Array, block_start: jax.Array, axis: int) -> jax.Array:
+def _write_blocks(cache: jax.Array, blocks: jax.Array, block_start: jax.Array, axis: int, lead: tuple = ()) -> jax.Array:
     """cache with each batch row's block written at block_start along `axis` (see write_block)."""
-    if _per_row(cache.shape[0]):
-        for i in range(cache.shape[0]):
-            cache = jax.lax.dynamic_update_slice(cache, blocks[i:i + 1], _corner(cache, i, block_start[i], axis))
+    n = len(lead)
+    shape = cache.shape[n:]
+    if _per_row(shape[0]):
+        for i in range(shape[0]):
+            block = blocks[i:i + 1].reshape((1,) * (n + 1) + blocks.shape[1:])
+            cache = jax.lax.dynamic_update_slice(cache, block, _corner(shape, i, block_start[i], axis, lead))
         return cache
-    corners, window = _windows(cache, block_start)
+    corners, window, collapsed = _windows(shape[0], len(shape), block_start, lead)
     return jax.lax.scatter(cache, corners, blocks, jax.lax.ScatterDimensionNumbers(
-        update_window_dims=window, inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, axis)),
+        update_window_dims=window, inserted_window_dims=collapsed, scatter_dims_to_operand_dims=collapsed + (n + axis,)),
         indices_are_sorted=True, unique_indices=True, mode=_IN_BOUNDS)
 
 
 def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
-                keep: jax.Array | None = None) -> jax.Array:
+                keep: jax.Array | None = None, layer: jax.Array | None = None) -> jax.Array:
     """cache [B, ...] with the T rows of new (cache's rank, T along `axis`) written at rows start[b] +
-    0..T-1 of that axis, where keep [B, T] (default: all); rows past the cache are dropped.
+    0..T-1 of that axis, where keep [B, T] (default: all); rows past the cache are dropped. layer: the
+    cache is stacked [L, B, ...] and layer `layer` (a traced index) takes the rows.
 
     Each batch row's T-row block is read, merged and written back whole, in place under jit when the
     old cache is dead. A scatter of single rows would make XLA:TPU keep the cache in a row-scatter
@@ -160,7 +177,8 @@ def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
     (XLA:TPU lays a windowed scatter's cache out batch-minor, and copies a cache carried through a loop
     over rows); elsewhere, and for larger batches, one windowed gather and scatter of all rows' blocks
     (XLA:CPU copies the cache between unrolled updates)."""
-    t, s = new.shape[axis], cache.shape[axis]
+    lead = _lead(layer)
+    t, s = new.shape[axis], cache.shape[len(lead) + axis]
     if t > s:
         raise ValueError(f"a pass of {t} tokens does not fit a cache of {s} rows")
     start = start.astype(jnp.int32)
@@ -169,10 +187,10 @@ def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
     valid = (offset >= 0) & (offset < t)
     if keep is not None:
         valid &= jnp.take_along_axis(keep, jnp.clip(offset, 0, t - 1), axis=1)
-    along = (slice(None),) + (None,) * (axis - 1) + (slice(None),) + (None,) * (cache.ndim - axis - 1)
+    along = (slice(None),) + (None,) * (axis - 1) + (slice(None),) + (None,) * (new.ndim - axis - 1)
     fresh = jnp.take_along_axis(new.astype(cache.dtype), jnp.clip(offset, 0, t - 1)[along], axis=axis)
-    block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, t))
-    return _write_blocks(cache, block, block_start, axis)
+    block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, t, lead))
+    return _write_blocks(cache, block, block_start, axis, lead)
 
 
 def read_rows(cache: jax.Array, start: jax.Array, width: int) -> jax.Array:
@@ -183,6 +201,56 @@ def read_rows(cache: jax.Array, start: jax.Array, width: int) -> jax.Array:
     if width > s:
         raise ValueError(f"a block of {width} rows does not fit a cache of {s} rows")
     return _read_blocks(cache, jnp.clip(start.astype(jnp.int32), 0, s - width), 2, width)
+
+
+def _layers_blocks(cache: jax.Array, block_start: jax.Array, t: int) -> jax.Array:
+    """[L, B, Hkv, T, Dh]: each batch row's T rows from block_start of every layer of a stacked cache
+    [L, B, Hkv, S, Dh], one block per batch row (as `_read_blocks`)."""
+    l, b, h, _, d = cache.shape
+    if _per_row(b):
+        return jnp.concatenate([jax.lax.dynamic_slice(cache, (0, i, 0, block_start[i], 0), (l, 1, h, t, d))
+                                for i in range(b)], axis=1)
+    corners = jnp.stack([jnp.arange(b, dtype=jnp.int32), block_start], axis=1)
+    return jax.lax.gather(cache, corners, jax.lax.GatherDimensionNumbers(
+        offset_dims=(0, 2, 3, 4), collapsed_slice_dims=(1,), start_index_map=(1, 3)), (l, 1, h, t, d),
+        indices_are_sorted=True, mode=_IN_BOUNDS)
+
+
+def _write_layers_blocks(cache: jax.Array, blocks: jax.Array, block_start: jax.Array) -> jax.Array:
+    """cache with blocks [L, B, Hkv, T, Dh] written at block_start (the inverse of `_layers_blocks`)."""
+    b = cache.shape[1]
+    if _per_row(b):
+        for i in range(b):
+            cache = jax.lax.dynamic_update_slice(cache, blocks[:, i:i + 1], (0, i, 0, block_start[i], 0))
+        return cache
+    corners = jnp.stack([jnp.arange(b, dtype=jnp.int32), block_start], axis=1)
+    return jax.lax.scatter(cache, corners, blocks, jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(0, 2, 3, 4), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1, 3)),
+        indices_are_sorted=True, unique_indices=True, mode=_IN_BOUNDS)
+
+
+def move_rows_all_layers(cache: jax.Array, dst: jax.Array, src: jax.Array, start: jax.Array, span: int) -> jax.Array:
+    """A stacked cache [L, B, Hkv, S, Dh] with rows src [B, N] copied to rows dst [B, N] in every layer
+    (tree path compaction, `jspec.models.target.compact_rows`): every src lies in the span rows
+    start[b] .. start[b] + span - 1 and dst is consecutive per row. Each batch row reads its span of
+    every layer as one block, picks the path and writes it back as one block (`write_block`'s rules:
+    rows past the cache are dropped), so a scanned layer loop's cache needs no loop over its layers."""
+    s, n = cache.shape[3], dst.shape[1]
+    if span > s:
+        raise ValueError(f"a block of {span} rows does not fit a cache of {s} rows")
+    first = jnp.clip(start.astype(jnp.int32), 0, s - span)
+    begin = dst[:, 0].astype(jnp.int32)
+    block_start = jnp.clip(begin, 0, s - n)
+    offset = block_start[:, None] + jnp.arange(n) - begin[:, None]  # [B, N]: path row of each block row
+    valid = (offset >= 0) & (offset < n)
+    rows = jnp.take_along_axis(src, jnp.clip(offset, 0, n - 1), axis=1) - first[:, None]  # [B, N] in the span
+    # The rows are picked by a one-hot product (exact: one term per output), not a gather along the rows:
+    # XLA:TPU would lay the whole stacked cache out rows-major for a gather and copy it both ways.
+    pick = (rows[:, :, None] == jnp.arange(span)).astype(cache.dtype)  # [B, N, span]
+    fresh = jnp.einsum("bnr,lbhrd->lbhnd", pick, _layers_blocks(cache, first, span),
+                       preferred_element_type=jnp.float32).astype(cache.dtype)
+    block = jnp.where(valid[None, :, None, :, None], fresh, _layers_blocks(cache, block_start, n))
+    return _write_layers_blocks(cache, block, block_start)
 
 
 def visible_rows(ctx_len: jax.Array, cache_rows: jax.Array) -> jax.Array:
@@ -229,7 +297,7 @@ def _chunk_mask(rows, positions, cache_rows, ctx_len, new_vis, window):
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, cache_rows: jax.Array,
            ctx_len: jax.Array, tree_mask: jax.Array | None = None, window=0,
-           kv_chunk: int | str | None = KV_CHUNK) -> jax.Array:
+           kv_chunk: int | str | None = KV_CHUNK, layer: jax.Array | None = None) -> jax.Array:
     """Attention output [B, T, Hq, Dh] (q's dtype) of q [B, T, Hq, Dh] over k/v_cache [B, Hkv, S, Dh].
 
     The pass's own K/V must already be written at cache_rows [B, T]. positions [B, T]; ctx_len [B];
@@ -237,10 +305,12 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
     (full attention) or the sliding window, a Python int or a traced scalar.
     kv_chunk: rows per step (KV_CHUNK: the compile backend's, `step_rows`); None attends over all S rows
     in one block (static shapes, differentiable: training passes whose every row is valid). A query that
-    sees no row (padding) gets zeros.
+    sees no row (padding) gets zeros. layer: the caches are stacked [L, B, Hkv, S, Dh] and layer `layer`
+    (a traced index: a scanned layer loop) is read, chunk by chunk, in place.
     """
     b, t, hq, dh = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    lead = _lead(layer)
+    hkv, s = k_cache.shape[len(lead) + 1], k_cache.shape[len(lead) + 2]
     bounds = static_steps(kv_chunk, s, queries=t)
     kv_chunk = step_rows(kv_chunk, s, queries=t)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
@@ -255,7 +325,10 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
         if first_new_row is not None:  # a clamped last chunk overlaps rows already attended to
             fresh = rows >= first_new_row
             mask, valid = mask & fresh[None, None, :], valid & fresh[None, :]
-        if isinstance(start, int):  # a static slice (see STATIC_STEP_BACKENDS)
+        if lead:  # the chunk of one layer of a stacked cache
+            keys, vals = (jax.lax.dynamic_slice(c, lead + (0, 0, start, 0), (1, b, hkv, size, dh))[0]
+                          for c in (k_cache, v_cache))
+        elif isinstance(start, int):  # a static slice (see STATIC_STEP_BACKENDS)
             keys, vals = (jax.lax.slice_in_dim(c, start, start + size, axis=2) for c in (k_cache, v_cache))
         else:
             keys, vals = (jax.lax.dynamic_slice_in_dim(c, start, size, axis=2) for c in (k_cache, v_cache))

@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+LAYER_LOOPS = ("unroll", "scan")  # ModelConfig.layer_loop
+
 # Fields a config.json must give (every other one has a default).
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -75,8 +77,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 4096
+    # How `transformer.forward` runs the decoder layers (not part of the checkpoint; `with_layer_loop`):
+    # "unroll": per-layer weight and cache arrays and a Python loop over them, the layout of CPU and GPU,
+    # where a lax.scan copies every sliced weight matrix before its matmul; "scan": stacked [L, ...]
+    # weights and caches and one lax.scan over the layers, for TPU, which slices inside its matmul
+    # fusions and would otherwise keep per-operation temp slots for every unrolled layer
+    # (`python -m jspec.benchmarks.layer_loop_temp`).
+    layer_loop: str = "unroll"
 
     def __post_init__(self):
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {self.layer_loop!r}")
         if self.family not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported model family {self.family!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models import hybrid, transformer
-from jspec.models.attention import KV_CHUNK, read_rows, write_rows
+from jspec.models.attention import KV_CHUNK, move_rows_all_layers, read_rows, write_rows
 from jspec.models.layers import rms_norm, zc_rms_norm
 
 
@@ -94,6 +94,9 @@ def compact_rows(cache, dst, src, start, span: int):
         path = jnp.take_along_axis(read_rows(x, first, span), pick, axis=2)  # [B, Hkv, D, Dh]
         return write_rows(x, jnp.swapaxes(path, 1, 2), dst)
 
+    if getattr(cache, "stacked", False):  # a layer_loop "scan" cache: every layer's rows in one block per row
+        move_all = lambda x: move_rows_all_layers(x, dst, src, start, span)  # noqa: E731
+        return dataclasses.replace(cache, k=move_all(cache.k), v=move_all(cache.v))
     return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 

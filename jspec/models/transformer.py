@@ -16,6 +16,11 @@ weight out of a stacked array; matrices stored [out, in] as HF stores them, appl
 The KV cache holds one [B, Hkv, S, Dh] buffer per layer for K and for V: each layer writes its rows in
 place and attention reads only the valid rows (`jspec.models.attention`).
 
+`cfg.layer_loop == "scan"` (TPU; `with_layer_loop`) stacks both instead: `layers` is one dict of
+[L, ...] arrays, the cache one [L, B, Hkv, S, Dh] buffer for K and one for V, and the layers run as a
+`lax.scan` whose carry holds the caches; each layer slices its weights inside the matmuls and writes
+and reads its cache rows in place through its layer index.
+
 One `forward` serves prefill, single-token decoding, chain verification and tree verification: it
 takes T new tokens per row at per-row positions, writes their K/V into given cache rows, and attends
 over the committed rows (< ctx_len) plus the new rows allowed by the mask.
@@ -55,16 +60,22 @@ class KVCache:
     of one stacked buffer is a copy), and heads before rows make a chunk of rows a contiguous block
     of each head, which attention reads without a transpose."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array  # or, for layer_loop "scan", one stacked [L, B, Hkv, S, Dh] array
+    v: tuple[jax.Array, ...] | jax.Array
 
     @property
     def size(self) -> int:
         return self.k[0].shape[2]
 
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> "KVCache":
         shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
+        if cfg.layer_loop == "scan":
+            return cls(jnp.zeros((cfg.num_layers, *shape), dtype), jnp.zeros((cfg.num_layers, *shape), dtype))
         return cls(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
@@ -85,8 +96,9 @@ def _materialise_on_gpu(h: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, positions, cache_rows, ctx_len,
-           tree_mask, attention: str, kv_chunk: int | str | None):
-    """One decoder layer. h [B, T, D]; k_cache/v_cache [B, Hkv, S, Dh] for this layer."""
+           tree_mask, attention: str, kv_chunk: int | str | None, layer=None):
+    """One decoder layer. h [B, T, D]; k_cache/v_cache [B, Hkv, S, Dh] for this layer, or with `layer`
+    (a traced index) the stacked [L, B, Hkv, S, Dh] caches of a scanned layer loop."""
     b, t, _ = h.shape
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
@@ -104,13 +116,14 @@ def _layer(cfg: ModelConfig, inv_freq, h, lp, k_cache, v_cache, window: int, pos
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
 
-    k_cache, v_cache = write_rows(k_cache, k, cache_rows), write_rows(v_cache, v, cache_rows)
+    k_cache, v_cache = write_rows(k_cache, k, cache_rows, layer), write_rows(v_cache, v, cache_rows, layer)
     if attention == "pallas" and (tree_mask is not None or t <= KERNEL_MAX_TOKENS):
         # A chain (or single-token) pass is the tree whose ancestors are the earlier positions.
         visible = tree_mask if tree_mask is not None else positions[:, None, :] <= positions[:, :, None]
-        attn = layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible, jnp.int32(window))
+        attn = layer_attention(q, k, v, k_cache, v_cache, positions, cache_rows, ctx_len, visible,
+                               jnp.asarray(window, jnp.int32), layer)
     else:
-        attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk)
+        attn = attend(q, k_cache, v_cache, positions, cache_rows, ctx_len, tree_mask, window, kv_chunk, layer)
     h = _materialise_on_gpu(h + linear(attn.reshape(b, t, hq * dh), lp["wo"]))
 
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -149,10 +162,12 @@ def forward(
     backend's, `chunk_rows`); None = one block over the whole cache (training passes, which
     differentiate through it).
 
-    The layers run as an unrolled Python loop over per-layer weights: a `lax.scan` over stacked weights
-    copies every sliced weight matrix before its matmul on XLA:CPU and XLA:GPU, and one over the cache
-    copies the cache in and out of the scan every pass. Each layer writes its K/V rows into the cache
-    in place.
+    With cfg.layer_loop "unroll" the layers run as an unrolled Python loop over per-layer weights: a
+    `lax.scan` over stacked weights copies every sliced weight matrix before its matmul on XLA:CPU and
+    XLA:GPU. With "scan" (TPU, whose matmul fusions slice the stacked weights in place) they run as one
+    `lax.scan` that carries the stacked caches, so the program holds one layer's code instead of L copies
+    of it, and XLA:TPU keeps a fraction of the temp memory (`jspec bench --aot tpu-v5p`). Either way each
+    layer writes its K/V rows into the cache in place.
     """
     if attention != "reference":
         attention = kernels.resolve(attention)
@@ -163,8 +178,23 @@ def forward(
         cache_rows = positions
     if ctx_len is None:
         ctx_len = positions[:, 0]
+    stacked = _check_layout(params, cfg, cache)
     return Transformer(cfg).apply({"params": to_linen(params)}, tokens, positions, cache, ctx_len, cache_rows,
-                                  tree_mask, tuple(taps), attention, kv_chunk)
+                                  tree_mask, tuple(taps), attention, kv_chunk, stacked)
+
+
+def _check_layout(params: dict, cfg: ModelConfig, cache: KVCache) -> dict | None:
+    """The stacked layers of a layer_loop "scan" model (None for "unroll"), after checking that the
+    parameters and the cache are in the layout cfg.layer_loop names."""
+    scan = cfg.layer_loop == "scan"
+    fix = "convert the parameters with transformer.with_layer_loop and make the cache with KVCache.zeros(cfg, ...)"
+    if isinstance(params["layers"], dict) != scan:
+        have = "stacked [L, ...] arrays" if isinstance(params["layers"], dict) else "a list of per-layer dicts"
+        raise ValueError(f"layer_loop={cfg.layer_loop!r} but the parameters' layers are {have}: {fix}")
+    if cache.stacked != scan:
+        have = "stacked [L, B, Hkv, S, Dh]" if cache.stacked else "per-layer"
+        raise ValueError(f"layer_loop={cfg.layer_loop!r} but the KV cache is {have}: {fix}")
+    return params["layers"] if scan else None
 
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -255,10 +285,14 @@ class Transformer(nn.Module):
         return self.embed, self.final_norm, self.layers.declare()
 
     def __call__(self, tokens, positions, cache: KVCache, ctx_len, cache_rows, tree_mask, taps: tuple[int, ...],
-                 attention: str, kv_chunk: int | str | None) -> ForwardOut:
+                 attention: str, kv_chunk: int | str | None, stacked: dict | None = None) -> ForwardOut:
         cfg = self.cfg
         inv_freq = jnp.asarray(default_rope_inv_freq(cfg))
         h = quant.embed_rows(self.embed, tokens)
+        if stacked is not None:  # layer_loop "scan": the layers' weights are not this module's variables
+            h, cache, tapped = _scan_layers(cfg, inv_freq, h, stacked, cache, positions, cache_rows, ctx_len,
+                                            tree_mask, taps, attention, kv_chunk)
+            return ForwardOut(rms_norm(h, self.final_norm, cfg.rms_norm_eps), cache, tapped)
         ks, vs, outputs = [], [], []
         for layer, k, v, window in zip(self.layers.layers, cache.k, cache.v, cfg.windows, strict=True):
             h, k, v = layer(h, k, v, window, positions, cache_rows, ctx_len, tree_mask, attention, kv_chunk, inv_freq)
@@ -275,10 +309,67 @@ class Transformer(nn.Module):
         return ForwardOut(h, KVCache(tuple(ks), tuple(vs)), tapped)
 
 
+def _scan_layers(cfg: ModelConfig, inv_freq, h, stacked: dict, cache: KVCache, positions, cache_rows, ctx_len,
+                 tree_mask, taps: tuple[int, ...], attention: str, kv_chunk):
+    """The layers of a layer_loop "scan" model: (h, cache, taps or None). One lax.scan over the layer
+    index carries h, the stacked caches (each layer writes its rows in place at its index) and, when
+    taps are asked for, a buffer that each tapped layer's output is written into (the other layers
+    write a spare slot)."""
+    n = cfg.num_layers
+    wanted = sorted({i % n for i in taps})
+    slot = np.full((n,), len(wanted), np.int32)  # the spare slot
+    slot[wanted] = np.arange(len(wanted), dtype=np.int32)
+    windows = cfg.windows
+    varying = any(windows)  # full attention everywhere keeps the window a static 0
+
+    def body(carry, xs):
+        h, k, v, tapped = carry
+        i, lp, window = xs
+        h, k, v = _layer(cfg, inv_freq, h, lp, k, v, window if varying else 0, positions, cache_rows, ctx_len,
+                         tree_mask, attention, kv_chunk, layer=i)
+        if tapped is not None:
+            tapped = jax.lax.dynamic_update_slice(tapped, h[None], (jnp.asarray(slot)[i], 0, 0, 0))
+        return (h, k, v, tapped), None
+
+    tapped = jnp.zeros((len(wanted) + 1, *h.shape), h.dtype) if taps else None
+    xs = (jnp.arange(n, dtype=jnp.int32), stacked, jnp.asarray(windows, jnp.int32))
+    (h, k, v, tapped), _ = jax.lax.scan(body, (h, cache.k, cache.v, tapped), xs)
+    if taps:
+        tapped = jnp.stack([tapped[wanted.index(i % n)] for i in taps])
+    return h, KVCache(k, v), tapped
+
+
+def stack_layers(params: dict) -> dict:
+    """Per-layer parameters (`layers`: a list of dicts) -> the layer_loop "scan" layout (`layers`: one
+    dict of [L, ...] arrays; a Q4 matrix's parts are stacked alike)."""
+    if isinstance(params["layers"], dict):
+        return params
+    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
+
+
+def unstack_layers(params: dict) -> dict:
+    """The layer_loop "scan" layout -> per-layer parameters (inverse of `stack_layers`)."""
+    if not isinstance(params["layers"], dict):
+        return params
+    n = len(jax.tree.leaves(params["layers"])[0])
+    return dict(params, layers=[jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(n)])
+
+
+def with_layer_loop(cfg: ModelConfig, params: dict, layer_loop: str) -> tuple[ModelConfig, dict]:
+    """(cfg, params) for `layer_loop` ("unroll" | "scan", ModelConfig.layer_loop): the parameters
+    restacked to match. Checkpoints, declarations and shardings keep the per-layer layout; convert
+    once after loading (stacking copies the layer weights once)."""
+    cfg = dataclasses.replace(cfg, layer_loop=layer_loop)
+    return cfg, (stack_layers if layer_loop == "scan" else unstack_layers)(params)
+
+
 def to_linen(params: dict) -> dict:
-    """jspec's layout (`layers`: a list) -> the module's tree (`layers`: {"0": ..., "1": ...})."""
+    """jspec's layout (`layers`: a list) -> the module's tree (`layers`: {"0": ..., "1": ...}). The
+    stacked layers of layer_loop "scan" are not module variables (the forward scans over them)."""
     if "layers" not in params:
         return params
+    if isinstance(params["layers"], dict):
+        return {k: x for k, x in params.items() if k != "layers"}
     return dict(params, layers={str(i): lp for i, lp in enumerate(params["layers"])})
 
 
@@ -307,9 +398,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    """Random parameters (normal(std) matrices, unit norms, zero biases) for tests and training."""
+    """Random parameters (normal(std) matrices, unit norms, zero biases) for tests and training, in the
+    layout of cfg.layer_loop."""
     tree = init_tree(Transformer(cfg, init_std=std, param_dtype=dtype), Transformer.declare, key)
-    return from_linen(unbox(tree)["params"])
+    params = from_linen(unbox(tree)["params"])
+    return stack_layers(params) if cfg.layer_loop == "scan" else params
 
 
 def count_params(params: dict) -> int:

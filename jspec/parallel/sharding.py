@@ -125,7 +125,11 @@ def target_axes(cfg):
     from jspec.models.declare import logical_axes
 
     model = hybrid if isinstance(cfg, hybrid.HybridConfig) else transformer
-    return logical_axes(model.declarations(cfg))
+    axes = logical_axes(model.declarations(cfg))
+    if getattr(cfg, "layer_loop", "unroll") == "scan":  # stacked layers: [L, ...] of one layer's axes
+        axes = dict(axes, layers=jax.tree.map(lambda a: (_LAYER, *a), axes["layers"][0],
+                                              is_leaf=lambda x: isinstance(x, tuple)))
+    return axes
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = RULES) -> NamedSharding:
