@@ -236,11 +236,12 @@ def test_walker_takes_a_kernels_declared_bytes_for_its_cache_operands():
     assert items["one"] == 36864 == q + q + layer  # one layer of the four, as declared
     assert items["all"] == q + 4 * layer + q  # no declaration: every operand whole
     assert r.kv_reads == layer + 4 * layer + 2 * 128 * 2  # and the slice of one [2, 128] row
-    # A declaration never adds reads: scaled only down, and only the cache operands.
-    reads = [(hlo_bytes.CACHE, 100.0), (hlo_bytes.OTHER, 10.0)]
+    # A declaration never adds reads: scaled only down, and only the weight and cache operands.
+    w, c, o = hlo_bytes.WEIGHT, hlo_bytes.CACHE, hlo_bytes.OTHER
+    reads = [(c, 100.0), (w, 300.0), (o, 10.0)]
     assert hlo_bytes._within_declared(reads, 1000.0) == reads
-    assert hlo_bytes._within_declared(reads, 60.0) == [(hlo_bytes.CACHE, 50.0), (hlo_bytes.OTHER, 10.0)]
-    assert hlo_bytes._within_declared(reads, 5.0) == [(hlo_bytes.CACHE, 0.0), (hlo_bytes.OTHER, 10.0)]
+    assert hlo_bytes._within_declared(reads, 110.0) == [(c, 25.0), (w, 75.0), (o, 10.0)]
+    assert hlo_bytes._within_declared(reads, 5.0) == [(c, 0.0), (w, 0.0), (o, 10.0)]
 
 
 def test_walker_reads_weights_through_nested_bitcast_fusions():

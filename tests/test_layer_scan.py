@@ -84,18 +84,22 @@ def test_layouts_convert_both_ways_and_mismatches_are_refused(models):
                     num_kv_heads=1, head_dim=8, layer_loop="loop")
 
 
-@pytest.mark.parametrize("batch", [2, 70])  # 70 > attention.UNROLL_MAX_ROWS: the gather / scatter form on TPU
-def test_stacked_row_moves_equal_per_layer_ones(batch):
+# 70 > attention.UNROLL_MAX_ROWS: the gather / scatter form on TPU; passes of 1 and 3 rows, both written
+# as blocks of STACKED_MIN_ROWS rows into a stacked cache
+@pytest.mark.parametrize("batch, t", [(2, 1), (2, 3), (70, 3)])
+def test_stacked_row_moves_equal_per_layer_ones(batch, t):
     """Writing a layer of a stacked cache and moving every layer's rows at once are the per-layer
     operations on each layer (rows past the cache dropped alike)."""
     k = jax.random.split(jax.random.key(2), 4)
     stacked = jax.random.normal(k[0], (3, batch, 2, 16, 4))
-    new = jax.random.normal(k[1], (batch, 3, 2, 4))
-    start = jax.random.randint(k[2], (batch,), 0, 16)  # rows from 14 on run past the cache
-    rows = start[:, None] + jnp.arange(3)
+    new = jax.random.normal(k[1], (batch, t, 2, 4))
+    start = jax.random.randint(k[2], (batch,), 0, 18)  # rows from 16 on run past the cache
+    rows = start[:, None] + jnp.arange(t)
     got = write_rows(stacked, new, rows, jnp.int32(1))
     np.testing.assert_array_equal(got[1], write_rows(stacked[1], new, rows))
     np.testing.assert_array_equal(np.delete(np.asarray(got), 1, 0), np.delete(np.asarray(stacked), 1, 0))
+    assert not np.array_equal(got[1], stacked[1])
+    start = jnp.minimum(start, 14)
     first = jnp.clip(start, 0, 11)
     src = first[:, None] + jax.random.randint(k[3], (batch, 2), 0, 5)
     dst = start[:, None] + jnp.arange(2)
@@ -135,3 +139,26 @@ def test_stacked_layers_take_one_layers_logical_axes(models):
     one = parallel.target_axes(cfg)["layers"][0]
     assert axes["layers"]["wq"] == ("layers", *one["wq"]) == ("layers", "heads", "embed")
     assert axes["embed"] == parallel.target_axes(cfg)["embed"]
+
+
+@pytest.mark.parametrize("kernel", ["reference", "pallas"])
+def test_quantized_stacks_multiply_one_layer_in_place(kernel):
+    """A Q4 target in the stacked layout: each layer's matmuls take the stack and the layer index
+    (quant.Q4Layer; the Pallas kernel prefetches the index to pick its blocks) and compute what the
+    unrolled Q4 target computes."""
+    import jspec.kernels  # noqa: F401  (registers the Pallas Q4 matmul)
+    from jspec.models import quant
+
+    cfg = ModelConfig(family="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
+    params = quant.with_kernel(quant.quantize_tree(transformer.init_params(cfg, jax.random.key(0), std=0.1),
+                                                   tm.declarations(cfg)), kernel)
+    scfg, sparams = transformer.with_layer_loop(cfg, params, "scan")
+    assert quant.is_q4(sparams["layers"]["w_up"]) and sparams["layers"]["w_up"].shape == (3, 256, 128)
+    toks = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    want = transformer.forward(params, cfg, toks, pos, transformer.KVCache.zeros(cfg, 2, 16))
+    got = transformer.forward(sparams, scfg, toks, pos, transformer.KVCache.zeros(scfg, 2, 16))
+    np.testing.assert_allclose(np.asarray(got.hidden), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"a Q4Layer indexes a stack of matrices \[L, out, in\]"):
+        quant.matmul(jnp.ones((1, 128)), quant.Q4Layer(params["layers"][0]["w_up"], jnp.int32(0)))

@@ -172,7 +172,7 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
     from jspec.drafters import dflash
     from jspec.models.transformer import init_params
 
-    cfg = dataclasses.replace(shapes()[shape], layer_loop=layer_loop)
+    cfg = shapes()[shape]
     dtype = jnp.bfloat16
 
     def make(init, config, index):  # weights of one model: abstract, or random from (seed, index)
@@ -186,6 +186,11 @@ def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = 
         from jspec.models import target as tm
 
         params = quant.with_kernel(quant.quantize_tree(params, tm.declarations(cfg)), kernels)
+    if layer_loop == "scan":  # stacked after quantizing: the declarations are per layer
+        from jspec.models.transformer import stack_layers
+
+        cfg = dataclasses.replace(cfg, layer_loop=layer_loop)
+        params = stack_layers(params) if seed is not None else jax.eval_shape(stack_layers, params)
     sampling, verifier = _sampling(case.verifier)
     b = case.batch
     cache_size = case.context

@@ -22,10 +22,10 @@ the sum, over the instructions of the loop body, of operand bytes read + result 
   full cache), else once (listed in `unknown_trips`);
 - conditionals counted at their most expensive branch (listed in `notes`);
 - a Pallas TPU kernel that declares what it moves (the `bytes_accessed` of its `pl.CostEstimate`, in
-  the custom call's backend config) counts that, not its whole operands: its cache operands are
-  scaled down to what the declaration leaves after its other operands and its output (the tree
-  kernel reads one layer of a stacked [L, ...] cache through a prefetched layer index, so XLA sees
-  all L layers as its operand);
+  the custom call's backend config) counts that, not its whole operands: its weight and cache
+  operands are scaled down to what the declaration leaves after its other operands and its output
+  (the tree kernel and the Q4 matmul read one layer of a stacked [L, ...] cache or weight through a
+  prefetched layer index, so XLA sees all L layers as their operand);
 - buffers outside device memory (a layout with a memory space S(n), n > 0: TPU VMEM / SMEM, host)
   are on-chip or off-device traffic and count zero.
 
@@ -791,14 +791,15 @@ _DECLARED_BYTES = re.compile(r'"cost_estimate":\s*\{[^}]*"bytes_accessed":\s*"?(
 
 
 def _within_declared(reads: list[tuple], budget: float) -> list[tuple]:
-    """A kernel's operand reads with its cache reads scaled down so that all reads fit `budget`, the
-    bytes it declares it reads (never scaled up: a declaration cannot add reads)."""
-    fixed = sum(b for c, b in reads if c != CACHE)
-    cache = sum(b for c, b in reads if c == CACHE)
-    if cache <= 0 or fixed + cache <= budget:
+    """A kernel's operand reads with its weight and cache reads scaled down so that all reads fit
+    `budget`, the bytes it declares it reads (never scaled up: a declaration cannot add reads)."""
+    stacks = (WEIGHT, CACHE)
+    fixed = sum(b for c, b in reads if c not in stacks)
+    big = sum(b for c, b in reads if c in stacks)
+    if big <= 0 or fixed + big <= budget:
         return reads
-    f = max(budget - fixed, 0.0) / cache
-    return [(c, b * f if c == CACHE else b) for c, b in reads]
+    f = max(budget - fixed, 0.0) / big
+    return [(c, b * f if c in stacks else b) for c, b in reads]
 
 
 def find_decode_loop(module: Module) -> Instr:

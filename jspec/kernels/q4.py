@@ -92,7 +92,7 @@ GPU_STAGE_BYTES = 64 * 1024  # loads of one loop step (x rows + codes + scales /
 GPU_PROGRAMS = 264  # about two per SM of an H200 (132 SMs)
 
 
-def q4_matmul(x: jax.Array, q: quant.Q4, preferred_element_type=None, *, impl: str | None = None,
+def q4_matmul(x: jax.Array, q: quant.Q4, preferred_element_type=None, layer=None, *, impl: str | None = None,
               interpret: Any = None) -> jax.Array:
     """x [..., in] @ W.T for a Q4 matrix W [out, in] by a Pallas kernel: [..., out]. Same contract and
     result as `quant._reference_matmul` (see the module docstring for it and for the tiling).
@@ -101,9 +101,18 @@ def q4_matmul(x: jax.Array, q: quant.Q4, preferred_element_type=None, *, impl: s
     width mismatch, an inconsistent Q4 (shapes, codes not uint32, scales / biases not one float dtype),
     non-float x or preferred_element_type, and for the compiled GPU kernel out not a multiple of 16 or
     in not a multiple of 128; for the TPU kernel an `in` so wide that 8 rows of x and 128 weight rows
-    overflow VMEM."""
+    overflow VMEM. layer: q is a stack [L, out, in] and matrix `layer` (a traced index, prefetched as a
+    scalar that picks the weight blocks) is read in place; TPU kernel only."""
     impl, interpret = pallas_setup(impl, interpret)
-    n, k = _check(x, q, preferred_element_type)
+    if layer is not None:
+        if impl != "tpu":
+            raise ValueError("a stack of Q4 matrices (layer_loop='scan') is read by the TPU kernel only; on GPU keep "
+                             "the unrolled layer loop (layer_loop='unroll')")
+        if q.ndim != 3:
+            raise ValueError(f"layer= indexes a stack of Q4 matrices [L, out, in], got {q.shape}")
+    one = q if layer is None else quant.Q4(*(jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                                             for a in (q.codes, q.scales, q.biases)))
+    n, k = _check(x, one, preferred_element_type)
     if impl == "portable" and not interpret and (n % 16 or k % 128):
         raise ValueError(f"the GPU (Triton-lowered) Q4 kernel needs out a multiple of 16 and in a multiple of 128, "
                          f"got a {n} x {k} matrix: use the 'reference' Q4 matmul for it")
@@ -114,8 +123,9 @@ def q4_matmul(x: jax.Array, q: quant.Q4, preferred_element_type=None, *, impl: s
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
     x2 = x.reshape(m, k).astype(cdt)
-    call = _tpu_matmul if impl == "tpu" else _portable_matmul
-    return call(x2, q, out_dtype, interpret)[:m].reshape(*lead, n)
+    if impl == "tpu":
+        return _tpu_matmul(x2, q, out_dtype, interpret, layer)[:m].reshape(*lead, n)
+    return _portable_matmul(x2, q, out_dtype, interpret)[:m].reshape(*lead, n)
 
 
 def _check(x, q, preferred_element_type) -> tuple[int, int]:
@@ -250,9 +260,9 @@ def _tpu_vmem_need(tm, tn, k, chunk, x_bytes, s_bytes, out_bytes, codes_t, scale
     return 2 * blocks + 4 * round_up(tm, 8) * lanes(tn) + 4 * chunk * lanes(tm) + temps
 
 
-def _tpu_matmul(x2, q: quant.Q4, out_dtype, interpret):
+def _tpu_matmul(x2, q: quant.Q4, out_dtype, interpret, layer=None):
     m, k = x2.shape
-    n = q.codes.shape[0]
+    n = q.codes.shape[-2]
     words, g = k // PER_WORD, k // GROUP
     chunk = tpu_chunk(k)
     tn = tpu_column_tile(n, k)
@@ -269,32 +279,50 @@ def _tpu_matmul(x2, q: quant.Q4, out_dtype, interpret):
     cols, rows = pl.cdiv(n, tn), pl.cdiv(m, tm)
     # With several row tiles, the outer axis is the one whose operand re-reads cost less: x once per
     # column tile (columns outer), or the weights once per row tile (rows outer).
-    rows_outer = (rows - 1) * q.nbytes < (cols - 1) * x2.size * x2.dtype.itemsize
+    matrix_bytes = q.nbytes // (q.codes.shape[0] if layer is not None else 1)
+    rows_outer = (rows - 1) * matrix_bytes < (cols - 1) * x2.size * x2.dtype.itemsize
     if rows_outer:
-        grid, at = (rows, cols), lambda f: (lambda i, j: f(j, i))
+        grid, at = (rows, cols), lambda f: (lambda i, j, *_: f(j, i))
     else:
-        grid, at = (cols, rows), lambda f: f
+        grid, at = (cols, rows), lambda f: (lambda j, i, *_: f(j, i))
+    # A stack's blocks lead with its layer, the prefetched scalar (index maps get its ref last).
+    stacked = (lambda f: (lambda *g: (g[-1][0], *at(f)(*g)))) if layer is not None else at
 
     def weight(a, width, transposed):  # the operand and its block: [tn, width] rows, or [width, tn] of a.T
+        lead = (None,) * (a.ndim - 2)
         if transposed:
-            return a.T, pl.BlockSpec((width, tn), at(lambda j, i: (0, j)))
-        return a, pl.BlockSpec((tn, width), at(lambda j, i: (j, 0)))
+            return jnp.swapaxes(a, -1, -2), pl.BlockSpec((*lead, width, tn), stacked(lambda j, i: (0, j)))
+        return a, pl.BlockSpec((*lead, tn, width), stacked(lambda j, i: (j, 0)))
 
     (codes, codes_spec), (scales, scale_spec), (biases, _) = (
         weight(q.codes, words, codes_t), weight(q.scales, g, scales_t), weight(q.biases, g, scales_t))
     kernel = functools.partial(_tpu_kernel, chunk=chunk, codes_t=codes_t, scales_t=scales_t, wdt=q.scales.dtype,
                                cdt=x2.dtype)
+    scalars = ()
+    if layer is not None:
+        scalars = (jnp.asarray(layer, jnp.int32).reshape(1),)
+        kernel = functools.partial(lambda body, _layer, *refs: body(*refs), kernel)
+    # What a call moves (the byte accounting of compiled rounds reads it, jspec.aot.hlo_bytes): the
+    # output, x and one matrix (of a stack), the operand of the inner grid axis again for every step
+    # of the outer one when its block changes along the inner axis.
+    x_reads = x2.size * x2.dtype.itemsize * (cols if not rows_outer and rows > 1 else 1)
+    w_reads = matrix_bytes * (rows if rows_outer and cols > 1 else 1)
+    cost = pl.CostEstimate(flops=2 * m * n * k, transcendentals=0,
+                           bytes_accessed=x_reads + w_reads + m * n * jnp.dtype(out_dtype).itemsize)
     return pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=[pl.BlockSpec((tm, k), at(lambda j, i: (i, 0))), codes_spec, scale_spec, scale_spec],
-        out_specs=pl.BlockSpec((tm, tn), at(lambda j, i: (i, j))),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=grid,
+            in_specs=[pl.BlockSpec((tm, k), at(lambda j, i: (i, 0))), codes_spec, scale_spec, scale_spec],
+            out_specs=pl.BlockSpec((tm, tn), at(lambda j, i: (i, j))),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((chunk, tm), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((chunk, tm), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=vmem_limit(need, tiles)),
+        cost_estimate=cost,
         interpret=interpret,
-    )(x2, codes, scales, biases)
+    )(*scalars, x2, codes, scales, biases)
 
 
 # --- GPU (portable, Triton) -----------------------------------------------------------------------

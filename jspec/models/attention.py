@@ -106,6 +106,7 @@ def write_rows(cache: jax.Array, new: jax.Array, cache_rows: jax.Array, layer: j
 
 
 UNROLL_MAX_ROWS = 64  # batch rows up to which XLA:TPU gets one block slice / update per row (see write_block)
+STACKED_MIN_ROWS = 8  # the least rows of a block written into a layer of a stacked cache (see write_block)
 
 
 def _per_row(batch: int) -> bool:
@@ -181,15 +182,19 @@ def write_block(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int,
     t, s = new.shape[axis], cache.shape[len(lead) + axis]
     if t > s:
         raise ValueError(f"a pass of {t} tokens does not fit a cache of {s} rows")
+    # A layer of a stacked cache takes blocks of at least STACKED_MIN_ROWS rows: for a block of one row
+    # (a decode step) XLA:TPU lays the whole stacked cache out rows-major and copies it around every
+    # kernel that reads it (v5p, AR at batch 8: 368 GB a round instead of 20).
+    w = min(max(t, STACKED_MIN_ROWS), s) if lead else t
     start = start.astype(jnp.int32)
-    block_start = jnp.clip(start, 0, s - t)  # the block stays inside the cache; rows past it drop out
-    offset = block_start[:, None] + jnp.arange(t) - start[:, None]  # [B, T]: new row of each block row
+    block_start = jnp.clip(start, 0, s - w)  # the block stays inside the cache; rows past it drop out
+    offset = block_start[:, None] + jnp.arange(w) - start[:, None]  # [B, W]: new row of each block row
     valid = (offset >= 0) & (offset < t)
     if keep is not None:
         valid &= jnp.take_along_axis(keep, jnp.clip(offset, 0, t - 1), axis=1)
     along = (slice(None),) + (None,) * (axis - 1) + (slice(None),) + (None,) * (new.ndim - axis - 1)
     fresh = jnp.take_along_axis(new.astype(cache.dtype), jnp.clip(offset, 0, t - 1)[along], axis=axis)
-    block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, t, lead))
+    block = jnp.where(valid[along], fresh, _read_blocks(cache, block_start, axis, w, lead))
     return _write_blocks(cache, block, block_start, axis, lead)
 
 

@@ -38,7 +38,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     torch's `linear`); XLA:TPU and XLA:GPU contract either orientation without a copy (checked by the
     deviceless `--aot` compiles). It also makes HF loading a plain read, no transpose.
     """
-    if quant.is_q4(w):
+    if quant.is_q4(w) or isinstance(w, quant.Q4Layer):
         return quant.matmul(x, w)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 

@@ -76,6 +76,26 @@ def is_q4(x) -> bool:
     return isinstance(x, Q4)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q4Layer:
+    """Matrix `index` (a traced layer index) of a stacked Q4 [L, out, in]: what a scanned layer loop
+    (`transformer`, layer_loop "scan") hands each layer for a quantized matrix, so that its matmul
+    reads that one matrix of the stack in place. A slice of the stack handed on instead would be
+    copied wherever it meets a kernel or an optimization barrier."""
+
+    stack: Q4
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+
 def unpack(codes: jax.Array) -> jax.Array:
     """uint32 [..., n / 8] -> uint32 codes [..., n] in [0, 15], the lowest 4 bits first."""
     shifts = jnp.arange(CODES_PER_WORD, dtype=jnp.uint32) * BITS
@@ -104,31 +124,42 @@ def embed_rows(table, tokens: jax.Array) -> jax.Array:
 
 # --- matmuls --------------------------------------------------------------------------------------
 
-# kernel name -> fn(x [..., in], q: Q4 [out, in], preferred_element_type) -> [..., out]
+# kernel name -> fn(x [..., in], q: Q4 [out, in], preferred_element_type, layer=None) -> [..., out]
 _MATMULS: dict[str, Callable] = {}
 
 
 def register_matmul(name: str, fn: Callable) -> None:
-    """Make `Q4(kernel=name)` weights multiply through `fn(x, q, preferred_element_type)`."""
+    """Make `Q4(kernel=name)` weights multiply through `fn(x, q, preferred_element_type, layer=None)`
+    (layer: q is a stack [L, out, in] and matrix `layer`, a traced index, is the one to multiply by)."""
     _MATMULS[name] = fn
 
 
-def matmul(x: jax.Array, q: Q4, preferred_element_type=None) -> jax.Array:
-    """x [..., in] @ W.T for a quantized W [out, in]: the matmul its `kernel` names."""
+def matmul(x: jax.Array, q: Q4 | Q4Layer, preferred_element_type=None) -> jax.Array:
+    """x [..., in] @ W.T for a quantized W [out, in]: the matmul its `kernel` names. A `Q4Layer` is
+    multiplied by its matrix of the stack (the matmul gets the stack and `layer=` its index)."""
+    if isinstance(q, Q4Layer):
+        if q.stack.ndim != 3:
+            raise ValueError(f"a Q4Layer indexes a stack of matrices [L, out, in], got {q.stack.shape}")
+        if q.shape[-1] != x.shape[-1]:
+            raise ValueError(f"input width {x.shape[-1]} does not match the quantized matrix {q.shape}")
+        return _matmul_fn(q.stack.kernel)(x, q.stack, preferred_element_type, layer=q.index)
     if q.ndim != 2:
         raise ValueError(f"a quantized projection must be one [out, in] matrix, got the stack {q.shape}: "
                          "index the stack first (e.g. the selected experts)")
     if q.shape[-1] != x.shape[-1]:
         raise ValueError(f"input width {x.shape[-1]} does not match the quantized matrix {q.shape}")
+    return _matmul_fn(q.kernel)(x, q, preferred_element_type)
+
+
+def _matmul_fn(kernel: str) -> Callable:
     try:
-        fn = _MATMULS[q.kernel]
+        return _MATMULS[kernel]
     except KeyError:
-        raise ValueError(f"no Q4 matmul named {q.kernel!r}: known {sorted(_MATMULS)} (the Pallas kernel registers "
+        raise ValueError(f"no Q4 matmul named {kernel!r}: known {sorted(_MATMULS)} (the Pallas kernel registers "
                          "itself when jspec.kernels is imported)") from None
-    return fn(x, q, preferred_element_type)
 
 
-def _reference_matmul(x: jax.Array, q: Q4, preferred_element_type=None) -> jax.Array:
+def _reference_matmul(x: jax.Array, q: Q4, preferred_element_type=None, layer=None) -> jax.Array:
     # As one [rows, in] x [in, out] product of the transposed matrix: in this form XLA:CPU fuses the
     # dequantization into a one-row product (a reduction reading only the codes: 2.0 MB and 0.45 ms
     # for a [3072, 1024] matrix here), where a batched [B, T, in] operand, or contracting the [out, in]
@@ -139,6 +170,8 @@ def _reference_matmul(x: jax.Array, q: Q4, preferred_element_type=None) -> jax.A
     # that each step (3.6x slower here, and the float model's memory).
     rows, codes, scales, biases = jax.lax.optimization_barrier((rows, q.codes, q.scales, q.biases))
     q = Q4(codes, scales, biases, q.kernel)
+    if layer is not None:  # the matrix of a stack, sliced inside the dequantizing fusion
+        q = q[layer]
     y = jax.lax.dot_general(rows, dequantize(q).T, (((1,), (0,)), ((), ())),
                             preferred_element_type=preferred_element_type)
     return y.reshape(x.shape[:-1] + (q.shape[0],))

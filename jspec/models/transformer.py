@@ -56,8 +56,10 @@ KERNEL_MAX_TOKENS = 64
 @dataclasses.dataclass
 class KVCache:
     """Static preallocated K/V, one buffer per layer: k[i], v[i] [B, Hkv, S, Dh]. Which rows are valid
-    is tracked by the caller. Separate buffers let every layer update its own rows in place (a slice
-    of one stacked buffer is a copy), and heads before rows make a chunk of rows a contiguous block
+    is tracked by the caller. Separate buffers let every layer of an unrolled loop update its own rows
+    in place (a slice of one stacked buffer handed to a layer is a copy); a scanned layer loop
+    (layer_loop "scan") keeps one stacked [L, B, Hkv, S, Dh] buffer each for K and V instead, written
+    and read in place at each layer's index. Heads before rows make a chunk of rows a contiguous block
     of each head, which attention reads without a transpose."""
 
     k: tuple[jax.Array, ...] | jax.Array  # or, for layer_loop "scan", one stacked [L, B, Hkv, S, Dh] array
@@ -316,15 +318,23 @@ def _scan_layers(cfg: ModelConfig, inv_freq, h, stacked: dict, cache: KVCache, p
     taps are asked for, a buffer that each tapped layer's output is written into (the other layers
     write a spare slot)."""
     n = cfg.num_layers
+    if any(not -n <= i < n for i in taps):
+        raise ValueError(f"taps {taps} name layers outside the model's {n}")
     wanted = sorted({i % n for i in taps})
     slot = np.full((n,), len(wanted), np.int32)  # the spare slot
     slot[wanted] = np.arange(len(wanted), dtype=np.int32)
     windows = cfg.windows
     varying = any(windows)  # full attention everywhere keeps the window a static 0
 
+    # Quantized matrices stay stacked and go to their matmul with the layer index (quant.Q4Layer);
+    # float ones are sliced by the scan, inside XLA:TPU's matmul fusions.
+    q4 = {name: w for name, w in stacked.items() if quant.is_q4(w)}
+    floats = {name: w for name, w in stacked.items() if name not in q4}
+
     def body(carry, xs):
         h, k, v, tapped = carry
         i, lp, window = xs
+        lp = {**lp, **{name: quant.Q4Layer(w, i) for name, w in q4.items()}}
         h, k, v = _layer(cfg, inv_freq, h, lp, k, v, window if varying else 0, positions, cache_rows, ctx_len,
                          tree_mask, attention, kv_chunk, layer=i)
         if tapped is not None:
@@ -332,7 +342,7 @@ def _scan_layers(cfg: ModelConfig, inv_freq, h, stacked: dict, cache: KVCache, p
         return (h, k, v, tapped), None
 
     tapped = jnp.zeros((len(wanted) + 1, *h.shape), h.dtype) if taps else None
-    xs = (jnp.arange(n, dtype=jnp.int32), stacked, jnp.asarray(windows, jnp.int32))
+    xs = (jnp.arange(n, dtype=jnp.int32), floats, jnp.asarray(windows, jnp.int32))
     (h, k, v, tapped), _ = jax.lax.scan(body, (h, cache.k, cache.v, tapped), xs)
     if taps:
         tapped = jnp.stack([tapped[wanted.index(i % n)] for i in taps])
