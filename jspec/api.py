@@ -22,6 +22,7 @@ from jspec.io.tokenizer import read_tokenizer_settings
 from jspec.kernels import resolve as resolve_kernels
 from jspec.models import quant
 from jspec.models import target as tm
+from jspec.models import transformer
 from jspec.models.config import ModelConfig
 from jspec.verify import rules
 from jspec.verify.sampling import SamplingParams
@@ -164,13 +165,21 @@ def resolve_path(path: str) -> str:
     return folder
 
 
-def load_target(path: str, dtype=jnp.float32) -> Target:
+def load_target(path: str, dtype=jnp.float32, layer_loop: str | None = None) -> Target:
     """Load an HF Llama/Qwen3 directory (config.json, safetensors, optional tokenizer.json,
     tokenizer_config.json, generation_config.json, chat template), a built-in model by name
     ('builtin:code-target'), or a model in the local Hugging Face cache ('org/name', 'org/name@revision',
-    '.../models--org--name'; see `resolve_path`). Default EOS ids: config.json's and generation_config.json's."""
+    '.../models--org--name'; see `resolve_path`). Default EOS ids: config.json's and generation_config.json's.
+    layer_loop: how a dense target runs its layers (ModelConfig.layer_loop); default "scan" where jax's
+    default backend is a TPU, else "unroll" (hybrid targets keep their own loop)."""
     path = resolve_path(path)
     cfg, params, tok = load_model(path, dtype)
+    if isinstance(cfg, ModelConfig):
+        loop = layer_loop or ("scan" if jax.default_backend() == "tpu" else "unroll")
+        if loop != cfg.layer_loop:
+            cfg, params = transformer.with_layer_loop(cfg, params, loop)
+    elif layer_loop not in (None, "unroll"):
+        raise ValueError(f"layer_loop={layer_loop!r} applies to dense (Llama / Qwen3) targets; {path} is a hybrid one")
     settings = read_tokenizer_settings(path, tok)
     template = chat.load_chat_template(path, settings.config)
     return Target(cfg, params, tok, path, special_tokens=dict(settings.special_tokens),

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from hybrid_helpers import checkpoint, loaded
+import jspec
 from jspec.io.hf import CheckpointError
 from jspec.io.hf_hybrid import load_hybrid_params, save_hybrid_params
 from jspec.models import hybrid as H
@@ -155,6 +156,8 @@ def test_init_params_has_the_loader_layout(tmp_path):
     _, back = load_hybrid_params(str(tmp_path))
     for a, b in zip(jax.tree_util.tree_leaves(fresh), jax.tree_util.tree_leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="layer_loop='scan' applies to dense .* targets"):
+        jspec.load_target(str(tmp_path), layer_loop="scan")  # a hybrid target has one layer loop
 
 
 def test_moe_gathered_and_dense_expert_paths_agree():

@@ -162,3 +162,22 @@ def test_quantized_stacks_multiply_one_layer_in_place(kernel):
     np.testing.assert_allclose(np.asarray(got.hidden), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"a Q4Layer indexes a stack of matrices \[L, out, in\]"):
         quant.matmul(jnp.ones((1, 128)), quant.Q4Layer(params["layers"][0]["w_up"], jnp.int32(0)))
+
+
+def test_load_target_runs_the_layer_loop_asked_for():
+    """load_target converts a dense target to the asked layer loop (default: the backend's, "unroll" on
+    this CPU); the built-in target decodes the same tokens either way."""
+    unrolled = jspec.load_target("builtin:code-target")
+    scanned = jspec.load_target("builtin:code-target", layer_loop="scan")
+    assert unrolled.cfg.layer_loop == "unroll" and isinstance(unrolled.params["layers"], list)
+    assert scanned.cfg.layer_loop == "scan" and isinstance(scanned.params["layers"], dict)
+    prompt = [unrolled.encode("def add(a, b):")]
+    want = jspec.generate(unrolled, prompt, max_new_tokens=16, cache_size=64).tokens
+    assert jspec.generate(scanned, prompt, max_new_tokens=16, cache_size=64).tokens == want
+    # the bench's early-exit assistant (the first layers) takes either layout
+    from jspec.bench.peer import early_exit_assistant
+
+    small, small_scanned = early_exit_assistant(unrolled, 2), early_exit_assistant(scanned, 2)
+    assert small_scanned.params["layers"]["wq"].shape[0] == 2
+    want = jspec.generate(small, prompt, max_new_tokens=8, cache_size=64).tokens
+    assert jspec.generate(small_scanned, prompt, max_new_tokens=8, cache_size=64).tokens == want

@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 
+import jax
 import jax.numpy as jnp
 
 import jspec
@@ -39,7 +40,9 @@ PAIRS = {"ar": "ar", "assisted": "small_lm", "prompt_lookup": "lookup"}  # HF me
 def early_exit_assistant(target: Target, layers: int = 1) -> Target:
     """The target's first `layers` layers with its final norm and LM head: a small LM on the same vocabulary."""
     cfg = dataclasses.replace(target.cfg, num_layers=layers, layer_types=target.cfg.layer_types[:layers])
-    params = dict(target.params, layers=target.params["layers"][:layers])
+    stack = target.params["layers"]  # per-layer dicts, or stacked [L, ...] arrays (layer_loop "scan")
+    first = jax.tree.map(lambda x: x[:layers], stack) if isinstance(stack, dict) else stack[:layers]
+    params = dict(target.params, layers=first)
     return Target(cfg, params, target.tokenizer, None)
 
 
