@@ -2,17 +2,18 @@
 
     .venv-aot/bin/python -m jspec.benchmarks.layer_loop_temp [--chip tpu-v5p] [--layers 36] [--tokens 33]
 
-jspec runs its decoder layers as an unrolled Python loop over per-layer weights: on XLA:CPU and XLA:GPU a
-`lax.scan` over stacked weights copies each sliced matrix before its matmul (jspec.models.transformer).
-XLA:TPU slices inside its matmul fusions instead, and there the unrolled loop pays in temp memory: the
-compiler keeps a slot per tuple-shaped value and per reduction scalar (jspec.aot.temp), and an unrolled
-program has one set per layer. This compiles the same decode loop both ways at Qwen3-8B's layer shape
+The measurement behind ModelConfig.layer_loop: on XLA:CPU and XLA:GPU a `lax.scan` over stacked weights
+copies each sliced matrix before its matmul, so jspec unrolls its decoder layers there over per-layer
+weights ("unroll"). XLA:TPU slices inside its matmul fusions instead, and there the unrolled loop pays
+in temp memory: the compiler keeps a slot per tuple-shaped value and per reduction scalar
+(jspec.aot.temp), and an unrolled program has one set per layer; TPU targets scan ("scan"). This
+stand-alone probe compiles the same decode loop both ways at Qwen3-8B's layer shape
 (bf16, batch 1, a 4096-row cache, T new tokens a round, plain causal attention over the cache, argmax of
 the last row's logits) and prints memory_analysis() with the temp split into data, tuple tables and
 slots outside the temp block, the copies of at least 1 MB in the program, and the HBM bytes a round
 moves (jspec.aot.hlo_bytes: the scan's nested loop counted once per layer):
 
-  unroll  per-layer weight and cache arrays, a Python loop over them (jspec's layout);
+  unroll  per-layer weight and cache arrays, a Python loop over them (jspec's CPU / GPU layout);
   scan    stacked [L, ...] weights and caches, `lax.scan` over the layer index, the caches in the carry
           and each layer's new K/V rows written in place (dynamic-update-slice).
 
