@@ -67,7 +67,7 @@ class KVCache:
 
     @property
     def size(self) -> int:
-        return self.k[0].shape[2]
+        return (self.k if self.stacked else self.k[0]).shape[-2]
 
     @property
     def stacked(self) -> bool:
