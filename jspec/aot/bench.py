@@ -161,9 +161,10 @@ class Program:
 def case_program(shape: str, case: Case, kernels: str = "reference", q4: bool = False, seed: int | None = None,
                  prompt_len: int = PROMPT_LEN, layer_loop: str = "unroll") -> Program:
     """The loop of `case` at `shape` (bf16 weights, prompts of `prompt_len` tokens, a cache of
-    `case.context` rows, the target's layers run as `layer_loop`: ModelConfig.layer_loop). Abstract weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed`
-    is given: then random weights and prompts from it, on the default device, to run for real (the
-    last two models' weights are kept for the next case)."""
+    `case.context` rows, the target's layers run as `layer_loop`: ModelConfig.layer_loop). Abstract
+    weights and inputs (`jax.eval_shape`: nothing allocated) unless `seed` is given: then random weights
+    and prompts from it, on the default device, to run for real (the last two models' weights are kept
+    for the next case)."""
     import jax
     import jax.numpy as jnp
 
