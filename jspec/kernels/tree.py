@@ -124,9 +124,7 @@ def tree_attention(q, k_cache, v_cache, k_new, v_new, positions, ctx_len, bits, 
         tiles = tpu_tiles()
         bk = min(round_up(block_k or tiles.cache_rows, 8), round_up(s, 8))
         hk = kv_heads or _tpu_kv_heads(hkv, dh, bk, k_cache.dtype.itemsize, tiles.cache_tile_bytes)
-        if layer is not None:
-            scalars += (jnp.asarray(layer, jnp.int32).reshape(1),)
-        out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, tiles=tiles, **common)
+        out = _tpu_call(scalars, tensors, hk=hk, block_k=bk, interpret=interpret, tiles=tiles, layer=layer, **common)
     else:
         gt = gpu_tiles(jnp.dtype(q.dtype).itemsize)
         out = _portable_call(scalars, tensors, block_k=pow2_at_most(min(block_k or gt.kv_rows, s)), gt=gt,
@@ -221,9 +219,12 @@ def _tpu_kernel(lo_ref, hi_ref, win_ref, q_ref, kn_ref, vn_ref, pc_ref, pr_ref, 
                 o_ref[:, head * dh:(head + 1) * dh] = o[g * tp:(g + 1) * tp].astype(o_ref.dtype)
 
 
-def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret, tiles: TpuTiles):
+def _tpu_call(scalars, tensors, *, hk, group, dh, tp, block_k, scale, window_new, interpret, tiles: TpuTiles,
+              layer=None):
     qf, knf, vnf, pos_col, pos_row, bits, kc, vc = tensors
-    stacked = len(scalars) == 4  # lo, hi, window and the layer of a stacked [L, B, Hkv, S, Dh] cache
+    stacked = layer is not None  # a stacked [L, B, Hkv, S, Dh] cache: the layer is a 4th prefetched scalar
+    if stacked:
+        scalars += (jnp.asarray(layer, jnp.int32).reshape(1),)
     b, hkv, s, _ = kc.shape[-4:]
     num_tiles = -(-s // block_k)
     words = bits.shape[-1]

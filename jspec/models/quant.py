@@ -137,18 +137,16 @@ def register_matmul(name: str, fn: Callable) -> None:
 def matmul(x: jax.Array, q: Q4 | Q4Layer, preferred_element_type=None) -> jax.Array:
     """x [..., in] @ W.T for a quantized W [out, in]: the matmul its `kernel` names. A `Q4Layer` is
     multiplied by its matrix of the stack (the matmul gets the stack and `layer=` its index)."""
-    if isinstance(q, Q4Layer):
-        if q.stack.ndim != 3:
-            raise ValueError(f"a Q4Layer indexes a stack of matrices [L, out, in], got {q.stack.shape}")
-        if q.shape[-1] != x.shape[-1]:
-            raise ValueError(f"input width {x.shape[-1]} does not match the quantized matrix {q.shape}")
-        return _matmul_fn(q.stack.kernel)(x, q.stack, preferred_element_type, layer=q.index)
-    if q.ndim != 2:
+    stack, layer = (q.stack, q.index) if isinstance(q, Q4Layer) else (q, None)
+    if layer is not None and stack.ndim != 3:
+        raise ValueError(f"a Q4Layer indexes a stack of matrices [L, out, in], got {stack.shape}")
+    if layer is None and stack.ndim != 2:
         raise ValueError(f"a quantized projection must be one [out, in] matrix, got the stack {q.shape}: "
                          "index the stack first (e.g. the selected experts)")
     if q.shape[-1] != x.shape[-1]:
         raise ValueError(f"input width {x.shape[-1]} does not match the quantized matrix {q.shape}")
-    return _matmul_fn(q.kernel)(x, q, preferred_element_type)
+    fn = _matmul_fn(stack.kernel)
+    return fn(x, stack, preferred_element_type) if layer is None else fn(x, stack, preferred_element_type, layer=layer)
 
 
 def _matmul_fn(kernel: str) -> Callable:

@@ -323,8 +323,7 @@ def _scan_layers(cfg: ModelConfig, inv_freq, h, stacked: dict, cache: KVCache, p
     wanted = sorted({i % n for i in taps})
     slot = np.full((n,), len(wanted), np.int32)  # the spare slot
     slot[wanted] = np.arange(len(wanted), dtype=np.int32)
-    windows = cfg.windows
-    varying = any(windows)  # full attention everywhere keeps the window a static 0
+    varying = any(cfg.windows)  # full attention everywhere keeps the window a static 0 (no scanned input)
 
     # Quantized matrices stay stacked and go to their matmul with the layer index (quant.Q4Layer);
     # float ones are sliced by the scan, inside XLA:TPU's matmul fusions.
@@ -335,14 +334,14 @@ def _scan_layers(cfg: ModelConfig, inv_freq, h, stacked: dict, cache: KVCache, p
         h, k, v, tapped = carry
         i, lp, window = xs
         lp = {**lp, **{name: quant.Q4Layer(w, i) for name, w in q4.items()}}
-        h, k, v = _layer(cfg, inv_freq, h, lp, k, v, window if varying else 0, positions, cache_rows, ctx_len,
+        h, k, v = _layer(cfg, inv_freq, h, lp, k, v, 0 if window is None else window, positions, cache_rows, ctx_len,
                          tree_mask, attention, kv_chunk, layer=i)
         if tapped is not None:
             tapped = jax.lax.dynamic_update_slice(tapped, h[None], (jnp.asarray(slot)[i], 0, 0, 0))
         return (h, k, v, tapped), None
 
     tapped = jnp.zeros((len(wanted) + 1, *h.shape), h.dtype) if taps else None
-    xs = (jnp.arange(n, dtype=jnp.int32), floats, jnp.asarray(windows, jnp.int32))
+    xs = (jnp.arange(n, dtype=jnp.int32), floats, jnp.asarray(cfg.windows, jnp.int32) if varying else None)
     (h, k, v, tapped), _ = jax.lax.scan(body, (h, cache.k, cache.v, tapped), xs)
     if taps:
         tapped = jnp.stack([tapped[wanted.index(i % n)] for i in taps])
