@@ -61,17 +61,16 @@ def _generate(target, drafter, sampling, verifier=None, prompts=PROMPTS):
 def test_text_equals_plain_decoding(target, inners, name):
     """Greedy and Gumbel-coupled text equals plain decoding's with 1..3 stages; the gate at -inf always
     loops (every round verifies S g drafts), at +inf never (one stage). The gate's extremes, which do not
-    depend on the backbone, run over DFlash only, and a data-dependent gate over the other backbones
-    (each setting is a compile of its own; DFlash with a data-dependent gate, in chains and trees, is the
-    family's conformance example, tests/test_conformance.py)."""
+    depend on the backbone or the rule, run over DFlash only, one rule each, and a data-dependent gate over
+    the other backbones, both rules (each setting is a compile of its own; DFlash with a data-dependent
+    gate, in chains and trees, is the family's conformance example, tests/test_conformance.py)."""
     inner, params = inners[name]
     plain = {t: _generate(target, None, SamplingParams(t)).tokens for t in (0.0, 1.0)}
-    settings = [(3, -1e9), (2, 1e9)] if name == "dflash" else [(3, -3.0)]
-    for stages, threshold in settings:
-        dr = DLoop(inner=inner, stages=stages, threshold=threshold)
-        for t in (0.0, 1.0):
-            res = _generate(target, (dr, params), SamplingParams(t))
-            assert res.tokens == plain[t], (name, stages, threshold, t)
+    runs = ([(3, -1e9, 0.0), (2, 1e9, 1.0)] if name == "dflash"
+            else [(3, -3.0, 0.0), (3, -3.0, 1.0)])  # (stages, threshold, temperature)
+    for stages, threshold, t in runs:
+        res = _generate(target, (DLoop(inner=inner, stages=stages, threshold=threshold), params), SamplingParams(t))
+        assert res.tokens == plain[t], (name, stages, threshold, t)
         if threshold < -1e8:
             assert res.stats["verified"] == stages * inner.num_drafts * res.stats["rounds"]
         if threshold > 1e8:

@@ -218,19 +218,30 @@ def test_q4_parameters_are_not_saved_as_float(dense_q4, tmp_path):
 PROMPT = [[5, 9, 5, 9, 5, 9, 17], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
 
 
-def _assert_spec_equals_ar(target, **kw):
+GREEDY, SAMPLED = jspec.SamplingParams(0.0), jspec.SamplingParams(1.0)
+ALL_CASES = ((GREEDY, "greedy", "lookup"), (GREEDY, "greedy", "self"), (SAMPLED, "gumbel", "lookup"),
+             (SAMPLED, "gumbel", "self"))
+
+
+def _generate(target, sampling, **kw):
+    return jspec.generate(target, PROMPT, max_new_tokens=20, sampling=sampling, seeds=3, eos_ids=[], **kw)
+
+
+def _assert_spec_equals_ar(target, cases=ALL_CASES, **kw):
     """Greedy and Gumbel-coupled (T = 1) speculative decoding equal plain decoding of the same Q4 model,
-    with the lookup drafter and with the Q4 model drafting for itself (a small-LM drafter from the same
-    folder: its drafts are mostly accepted, so verify passes commit several rows)."""
-    for temperature, verifier in ((0.0, "greedy"), (1.0, "gumbel")):
-        sampling = jspec.SamplingParams(temperature)
-        ar = jspec.generate(target, PROMPT, max_new_tokens=20, sampling=sampling, seeds=3, eos_ids=[], **kw)
-        for drafter in ("lookup", target.path):
-            sp = jspec.generate(target, PROMPT, max_new_tokens=20, sampling=sampling, seeds=3, eos_ids=[],
-                                drafter=drafter, verifier=verifier, block_size=4, **kw)
-            assert sp.tokens == ar.tokens, (temperature, drafter, sp.tokens, ar.tokens)
-            if drafter == target.path:
-                assert sp.stats["tau"] > 2, sp.stats
+    with the lookup drafter and with the Q4 model drafting for itself ("self": a small-LM drafter from the
+    same folder, whose drafts are mostly accepted, so verify passes commit several rows). Returns plain
+    decoding's results by sampling."""
+    ar = {}
+    for sampling, verifier, drafter in cases:
+        if sampling not in ar:
+            ar[sampling] = _generate(target, sampling, **kw)
+        sp = _generate(target, sampling, drafter=target.path if drafter == "self" else drafter, verifier=verifier,
+                       block_size=4, **kw)
+        assert sp.tokens == ar[sampling].tokens, (sampling, drafter, sp.tokens, ar[sampling].tokens)
+        if drafter == "self":
+            assert sp.stats["tau"] > 2, sp.stats
+    return ar
 
 
 def test_q4_speculative_equals_plain_decoding(dense_q4):
@@ -239,16 +250,20 @@ def test_q4_speculative_equals_plain_decoding(dense_q4):
 
 def test_q4_kernel_speculative_equals_plain_decoding(dense_q4):
     """The same with every Q4 matmul in the Pallas kernel (interpreted here): kernels="pallas" sets the
-    target's Q4 matrices to it (and its attention to the tree-attention kernel), in both loops."""
+    target's Q4 matrices to it (and its attention to the tree-attention kernel), in both loops: greedy
+    with the lookup drafter, Gumbel-coupled with the self-drafting one (each Pallas loop is a long compile,
+    the other two pairs run through the XLA matmul above)."""
     target = jspec.load_target(dense_q4[1])
-    _assert_spec_equals_ar(target, kernels="pallas")
-    ref = jspec.generate(target, PROMPT, max_new_tokens=8, eos_ids=[])
-    ker = jspec.generate(target, PROMPT, max_new_tokens=8, eos_ids=[], kernels="pallas")
-    assert ker.tokens == ref.tokens  # the kernel and the XLA matmul agree on these greedy tokens
+    ar = _assert_spec_equals_ar(target, cases=(ALL_CASES[0], ALL_CASES[3]), kernels="pallas")
+    # the kernel and the XLA matmul agree on these greedy tokens (the XLA loop: the test above's program)
+    assert ar[GREEDY].tokens == _generate(target, GREEDY).tokens
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_hybrid_q4_loads_matches_float64_and_decodes_exactly(tmp_path, family):
+    """Loading, the float64 check, and greedy and Gumbel-coupled self-drafting (verify passes that commit
+    the recurrent state after several accepted rows) equal to plain decoding; the lookup drafter on
+    hybrid targets is tests/test_hybrid_loop.py's."""
     with torch_eval():
         model = make_hf_hybrid(family, hidden_size=64)
         model.save_pretrained(tmp_path / "float")
@@ -262,11 +277,11 @@ def test_hybrid_q4_loads_matches_float64_and_decodes_exactly(tmp_path, family):
     want = torch_logits_f64(str(tmp_path / "float"), values, IDS, tmp_path)
     np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)
     target = jspec.load_target(str(tmp_path / "q4"))
-    _assert_spec_equals_ar(target)
-    if family == "qwen3_5":  # the GDN and attention projections through the Pallas kernel (interpreted)
-        kw = dict(max_new_tokens=6, eos_ids=[], drafter="lookup", block_size=3)
-        assert (jspec.generate(target, PROMPT, kernels="pallas", **kw).tokens
-                == jspec.generate(target, PROMPT, **kw).tokens)
+    ar = _assert_spec_equals_ar(target, cases=(ALL_CASES[1], ALL_CASES[3]))
+    if family == "qwen3_5":  # the GDN and attention projections through the Pallas kernel (interpreted),
+        # in verify passes of several rows: the same greedy tokens as the XLA matmul's plain decoding
+        sp = _generate(target, GREEDY, drafter="lookup", verifier="greedy", block_size=4, kernels="pallas")
+        assert sp.tokens == ar[GREEDY].tokens
 
 
 # --- deviceless compile: a Q4 round reads the Q4 bytes -------------------------------------------
