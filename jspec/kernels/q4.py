@@ -309,7 +309,8 @@ def _tpu_matmul(x2, q: quant.Q4, out_dtype, interpret, layer=None):
     w_reads = matrix_bytes * (rows if rows_outer and cols > 1 else 1)
     cost = pl.CostEstimate(flops=2 * m * n * k, transcendentals=0,
                            bytes_accessed=x_reads + w_reads + m * n * jnp.dtype(out_dtype).itemsize)
-    spec = dict(grid=grid, in_specs=[pl.BlockSpec((tm, k), at(lambda j, i: (i, 0))), codes_spec, scale_spec, scale_spec],
+    spec = dict(grid=grid,
+                in_specs=[pl.BlockSpec((tm, k), at(lambda j, i: (i, 0))), codes_spec, scale_spec, scale_spec],
                 out_specs=pl.BlockSpec((tm, tn), at(lambda j, i: (i, j))),
                 scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((chunk, tm), jnp.float32)])
     return pl.pallas_call(

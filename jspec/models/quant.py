@@ -145,8 +145,7 @@ def matmul(x: jax.Array, q: Q4 | Q4Layer, preferred_element_type=None) -> jax.Ar
                          "index the stack first (e.g. the selected experts)")
     if q.shape[-1] != x.shape[-1]:
         raise ValueError(f"input width {x.shape[-1]} does not match the quantized matrix {q.shape}")
-    fn = _matmul_fn(stack.kernel)
-    return fn(x, stack, preferred_element_type) if layer is None else fn(x, stack, preferred_element_type, layer=layer)
+    return _matmul_fn(stack.kernel)(x, stack, preferred_element_type, layer=layer)
 
 
 def _matmul_fn(kernel: str) -> Callable:
